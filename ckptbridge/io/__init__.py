@@ -1,0 +1,1 @@
+"""File formats: safetensors (lazy read, streaming sharded write), Orbax, HF model directories."""

@@ -1,0 +1,158 @@
+"""HF model directories: config + safetensors weights (one file, or shards with an index)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from ckptbridge.config import read_config_file
+from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.io.safetensors import SafetensorsFile, TensorInfo
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+WEIGHT_SUFFIXES = (".safetensors", ".h5", ".msgpack", ".gguf") + PICKLE_SUFFIXES
+
+
+def safe_member(directory: str, name: object, what: str) -> str:
+    """The path of file ``name`` inside ``directory``; refuses names that leave it."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or os.path.isabs(name)
+        or "\x00" in name
+    ):
+        raise CorruptFileError(
+            f"{what}: file name {name!r} is not a plain file name inside {directory}; fix the index"
+        )
+    return os.path.join(directory, name)
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
+class HFModelDir:
+    """A validated HF model directory with lazy access to every tensor."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.exists(path):
+            raise InputNotFoundError(f"{path}: no such directory")
+        if not os.path.isdir(path):
+            raise InputNotFoundError(f"{path}: not a directory; give the HF model directory (config.json + *.safetensors)")
+        self.config = read_config_file(os.path.join(path, "config.json"))
+        self.files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, str] = {}
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        index_path = os.path.join(self.path, INDEX_NAME)
+        single = os.path.join(self.path, SINGLE_NAME)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path, "rb") as f:
+                    index = json.loads(f.read().decode("utf-8"))
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                raise CorruptFileError(
+                    f"{index_path}: not a valid safetensors index (needs a JSON object with weight_map); "
+                    "regenerate it or remove it if the model is a single model.safetensors"
+                ) from None
+            for key, name in weight_map.items():
+                file_path = safe_member(self.path, name, index_path)
+                if name not in self.files:
+                    if not os.path.isfile(file_path):
+                        raise InputNotFoundError(
+                            f"{index_path}: names shard {name} for tensor {key!r}, but {file_path} does not "
+                            "exist; download the missing shard"
+                        )
+                    self.files[name] = SafetensorsFile(file_path)
+                if key not in self.files[name]:
+                    raise MismatchError(
+                        f"{index_path}: maps tensor {key!r} to {name}, which has no such tensor; "
+                        "the index and the shards disagree"
+                    )
+                self._where[key] = name
+            for name, f in self.files.items():
+                extra = [k for k in f.keys() if self._where.get(k) != name]
+                if extra:
+                    raise MismatchError(
+                        f"{f.path}: holds tensor {extra[0]!r} that {INDEX_NAME} does not map to it; "
+                        "the index and the shards disagree"
+                    )
+            return
+        if os.path.isfile(single):
+            names = [SINGLE_NAME]
+        else:
+            names = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+        if not names:
+            pickles = sorted(n for n in os.listdir(self.path) if n.endswith(PICKLE_SUFFIXES))
+            if pickles:
+                raise UnsupportedError(
+                    f"{os.path.join(self.path, pickles[0])}: pickle weights are never loaded (they can run "
+                    "code); re-save the model as safetensors (save_pretrained(..., safe_serialization=True))"
+                )
+            raise InputNotFoundError(f"{self.path}: no *.safetensors weights found")
+        for name in names:
+            f = SafetensorsFile(os.path.join(self.path, name))
+            self.files[name] = f
+            for key in f.keys():
+                if key in self._where:
+                    raise CorruptFileError(
+                        f"{f.path}: tensor {key!r} also appears in {self._where[key]}; remove the duplicate file"
+                    )
+                self._where[key] = name
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def file_of(self, key: str) -> SafetensorsFile:
+        return self.files[self._where[key]]
+
+    def info(self, key: str) -> TensorInfo:
+        return self.file_of(key).info(key)
+
+    def array(self, key: str):
+        return self.file_of(key).array(key)
+
+    def asset_files(self) -> list[str]:
+        """Top-level non-weight files other than config.json (tokenizer, chat template, ...)."""
+        out = []
+        for name in sorted(os.listdir(self.path)):
+            full = os.path.join(self.path, name)
+            if name.startswith(".") or name == "config.json" or is_weight_file(name):
+                continue
+            if os.path.isfile(full) and not os.path.islink(full):
+                out.append(name)
+        return out
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def __enter__(self) -> "HFModelDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def copy_assets(names: list[str], src_dir: str, dst_dir: str) -> None:
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))

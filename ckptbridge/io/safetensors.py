@@ -1,0 +1,298 @@
+"""Safetensors without torch: a validating lazy reader and a streaming sharded writer.
+
+The format: 8 bytes little-endian header length ``N``, ``N`` bytes of JSON mapping each tensor
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of
+the header) plus an optional ``"__metadata__"`` string map, then the tensor bytes. Arrays are
+read as memory-mapped views (nothing is loaded until touched) and bf16/fp8 come through
+``ml_dtypes`` bit for bit. Every header field is checked before any byte is trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+import struct
+from typing import Callable, Iterable, Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_CODES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+
+
+def dtype_code(dtype) -> str:
+    """numpy/ml_dtypes dtype -> safetensors dtype code (``"BF16"``...)."""
+    try:
+        return _CODES[np.dtype(dtype)]
+    except KeyError:
+        raise MismatchError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def numpy_dtype(code: str) -> np.dtype:
+    return DTYPES[code]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file. Use as a context manager or call close()."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isfile(path):
+            raise InputNotFoundError(f"{path}: no such file")
+        size = os.path.getsize(path)
+        self._file = open(path, "rb")
+        try:
+            self.infos, self.metadata = self._read_header(size)
+            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _read_header(self, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+        p = self.path
+        fix = "the file is damaged or not safetensors; re-download or re-export it"
+        if size < 8:
+            raise CorruptFileError(f"{p}: {size} bytes, too short for a safetensors header; {fix}")
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        if n > MAX_HEADER or 8 + n > size:
+            raise CorruptFileError(
+                f"{p}: header length {n} runs past the end of the {size}-byte file (truncated?); {fix}"
+            )
+        raw = self._file.read(n)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CorruptFileError(f"{p}: header is not valid JSON; {fix}") from None
+        if not isinstance(header, dict):
+            raise CorruptFileError(f"{p}: header is not a JSON object; {fix}")
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise CorruptFileError(f"{p}: __metadata__ must map strings to strings; {fix}")
+        base = 8 + n
+        infos: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            where = f"{p}: tensor {name!r}"
+            if not isinstance(entry, dict):
+                raise CorruptFileError(f"{where}: header entry is not an object; {fix}")
+            code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+            if code not in DTYPES:
+                raise CorruptFileError(f"{where}: unknown dtype {code!r}; {fix}")
+            if not isinstance(shape, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+            ):
+                raise CorruptFileError(f"{where}: shape {shape!r} is not a list of sizes; {fix}")
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]
+            ):
+                raise CorruptFileError(f"{where}: data_offsets {offsets!r} are invalid; {fix}")
+            nbytes = math.prod(shape) * DTYPES[code].itemsize
+            if offsets[1] - offsets[0] != nbytes:
+                raise CorruptFileError(
+                    f"{where}: {code} {tuple(shape)} needs {nbytes} bytes but data_offsets span "
+                    f"{offsets[1] - offsets[0]}; {fix}"
+                )
+            if base + offsets[1] > size:
+                raise CorruptFileError(
+                    f"{where}: data ends at byte {base + offsets[1]} past the end of the {size}-byte "
+                    f"file (truncated?); {fix}"
+                )
+            infos[name] = TensorInfo(name, code, tuple(shape), base + offsets[0], base + offsets[1])
+        spans = sorted((i.begin, i.end, i.name) for i in infos.values() if i.end > i.begin)
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise CorruptFileError(f"{p}: tensors {n0!r} and {n1!r} overlap in the file; {fix}")
+        return infos, meta
+
+    def keys(self) -> list[str]:
+        return list(self.infos)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    def info(self, name: str) -> TensorInfo:
+        return self.infos[name]
+
+    def array(self, name: str) -> np.ndarray:
+        """A read-only view of tensor ``name``; bytes are read from disk when touched."""
+        i = self.infos[name]
+        dt = DTYPES[i.dtype]
+        count = math.prod(i.shape)
+        if count == 0:
+            return np.zeros(i.shape, dt)
+        return np.frombuffer(self._mmap, dtype=dt, count=count, offset=i.begin).reshape(i.shape)
+
+    def raw(self, name: str) -> memoryview:
+        i = self.infos[name]
+        if i.end == i.begin:
+            return memoryview(b"")
+        return memoryview(self._mmap)[i.begin : i.end]
+
+    def close(self) -> None:
+        if getattr(self, "_mmap", None) is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # views still alive; the map closes when they go
+                pass
+            self._mmap = None
+        self._file.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class PlannedTensor:
+    """A tensor to write: its name, dtype and shape now, its values when ``produce`` is called."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def _header_bytes(entries: Iterable[PlannedTensor], metadata: Mapping[str, str]) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for t in entries:
+        header[t.name] = {
+            "dtype": dtype_code(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_file(path: str, tensors: list[PlannedTensor], metadata: Mapping[str, str] | None = None,
+               on_tensor: Callable[[PlannedTensor], None] | None = None) -> int:
+    """Write one safetensors file tensor by tensor (the header is known up front). Returns bytes."""
+    metadata = {"format": "pt", **(metadata or {})}
+    with open(path, "wb") as f:
+        f.write(_header_bytes(tensors, metadata))
+        for t in tensors:
+            arr = t.produce()
+            if tuple(arr.shape) != tuple(t.shape) or np.dtype(arr.dtype) != np.dtype(t.dtype):
+                raise MismatchError(
+                    f"{path}: tensor {t.name!r} came out as {arr.dtype} {tuple(arr.shape)}, "
+                    f"planned {np.dtype(t.dtype)} {tuple(t.shape)}"
+                )
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+            del arr
+            if on_tensor is not None:
+                on_tensor(t)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
+    """Split tensors, in order, into shards of at most ``max_shard_size`` bytes (a larger
+    tensor gets a shard of its own), as transformers does."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def write_sharded(directory: str, tensors: list[PlannedTensor], max_shard_size: int,
+                  metadata: Mapping[str, str] | None = None,
+                  on_tensor: Callable[[PlannedTensor], None] | None = None,
+                  stem: str = "model") -> list[str]:
+    """Write ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index. Returns files."""
+    shards = plan_shards(tensors, max_shard_size)
+    if len(shards) == 1:
+        names = [f"{stem}.safetensors"]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        write_file(os.path.join(directory, name), shard, metadata, on_tensor)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
+        }
+        with open(os.path.join(directory, f"{stem}.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        names.append(f"{stem}.safetensors.index.json")
+    return names
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``123`` -> 123."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            num = s[: -len(unit)]
+            break
+    else:
+        num, mult = s, 1
+    try:
+        value = int(float(num) * mult)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (e.g. 5GB, 500MiB)") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def iter_tensors(f: SafetensorsFile) -> Iterator[tuple[str, np.ndarray]]:
+    for name in f.keys():
+        yield name, f.array(name)

@@ -1,0 +1,71 @@
+"""The spec table evaluated against a config: every tensor of a model, in both namings.
+
+:func:`entries` expands a family's rules over the model and its layers; :func:`hf_to_tunix`
+and :func:`tunix_to_hf` are the two directions of one entry, both derived from its layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ckptbridge import layout
+from ckptbridge.config import LayerConfig, ModelConfig
+from ckptbridge.specs.base import FamilySpec, TensorRule
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    rule: TensorRule
+    layer: LayerConfig | None
+    hf_keys: tuple[str, ...]
+    tunix_path: Path
+    sizes: dict
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return layout.shape(self.rule.hf_layout, self.sizes)
+
+    @property
+    def tunix_shape(self) -> tuple[int, ...]:
+        return layout.shape(self.rule.tunix_layout, self.sizes)
+
+    @property
+    def hf_stacked_layout(self) -> str:
+        return f"c {self.rule.hf_layout}" if self.rule.fused else self.rule.hf_layout
+
+    @property
+    def tunix_name(self) -> str:
+        return ".".join(self.tunix_path)
+
+
+def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
+    """Every tensor of the text model: model-level tensors, then each layer's."""
+    model_rules = [r for r in spec.rules if r.scope == "model"]
+    layer_rules = [r for r in spec.rules if r.scope == "layer"]
+    out = [
+        Entry(r, None, tuple(prefix + k for k in r.hf), tuple(r.tunix.split(".")), cfg.model_sizes())
+        for r in model_rules
+    ]
+    for layer in cfg.layers:
+        sizes = cfg.layer_sizes(layer)
+        for r in layer_rules:
+            if r.applies(layer.flags):
+                keys = tuple(f"{prefix}layers.{layer.index}.{k}" for k in r.hf)
+                out.append(Entry(r, layer, keys, ("layers", str(layer.index), *r.tunix.split(".")), sizes))
+    return out
+
+
+def hf_to_tunix(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
+    """HF tensor(s) of one entry -> the Tunix parameter (fused along ``c`` when several)."""
+    x = np.stack(arrays) if entry.rule.fused else arrays[0]
+    return layout.rearrange(x, entry.hf_stacked_layout, entry.rule.tunix_layout, entry.sizes)
+
+
+def tunix_to_hf(entry: Entry, value: np.ndarray) -> list[np.ndarray]:
+    """The Tunix parameter of one entry -> its HF tensor(s), in ``entry.hf_keys`` order."""
+    y = layout.rearrange(value, entry.rule.tunix_layout, entry.hf_stacked_layout, entry.sizes)
+    return [y[i] for i in range(len(entry.hf_keys))] if entry.rule.fused else [y]

@@ -1,0 +1,166 @@
+"""Tiny random Gemma 4 checkpoints and a small tokenizer, built with transformers.
+
+Used by the tests, the main job and the benchmarks: nothing is downloaded. Every weight is
+random (norms and layer scalars too, so a swapped or skipped tensor changes the logits), and
+the default dims are all distinct so that a wrong transpose cannot hide behind equal sizes.
+Requires torch and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# All distinct: V, D, N, K, H, Hg, Kg, F.
+TINY_DIMS: dict[str, Any] = dict(
+    vocab_size=300,
+    hidden_size=40,
+    intermediate_size=56,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    global_head_dim=20,
+    num_global_key_value_heads=1,
+    sliding_window=4,
+)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def text_config_kwargs(k_eq_v: bool = True, **overrides: Any) -> dict:
+    """Gemma4TextConfig keyword arguments of a tiny dense model (5 sliding : 1 global)."""
+    kw = dict(TINY_DIMS)
+    kw.update(
+        attention_k_eq_v=k_eq_v,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def randomize_(model, seed: int = 0) -> None:
+    """Fill every parameter and persistent buffer with random values (norms around 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point() or name.endswith("embed_scale") or "inv_freq" in name:
+                continue
+            if name.endswith("layer_scalar"):
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            elif "norm" in name:
+                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * (t.shape[-1] ** -0.5))
+
+
+def build_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens with a chat template; save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "module TopModule(input clk, input reset, output reg [7:0] q);",
+        "always @(posedge clk) begin if (reset) q <= 8'd0; else q <= q + 1; end endmodule",
+        "assign out = a & b | c ^ d; wire [3:0] sum; reg [15:0] shift;",
+        "Implement a module named TopModule with the following interface.",
+        "The quick brown fox jumps over the lazy dog. 0123456789",
+    ] * 20
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def build_checkpoint(
+    out_dir: str,
+    *,
+    k_eq_v: bool = True,
+    prefix: str = "model.language_model.",
+    dtype: str = "float32",
+    shards: int = 1,
+    dialect: str = "legacy",
+    tokenizer: bool = True,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """Save a tiny random Gemma 4 with ``save_pretrained``.
+
+    ``prefix`` ``"model.language_model."`` saves ``Gemma4ForConditionalGeneration`` (model_type
+    gemma4, no towers), ``"model."`` saves ``Gemma4ForCausalLM`` (gemma4_text). ``shards=2``
+    splits the weights into two files plus an index. ``dialect="per_layer_config"`` rewrites
+    the global-layer fields of config.json as ``per_layer_config``, as transformers >= 5.15 does.
+    """
+    import torch
+    from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration,
+                              Gemma4TextConfig)
+
+    text = Gemma4TextConfig(**text_config_kwargs(k_eq_v, **overrides))
+    if prefix == "model.":
+        model = Gemma4ForCausalLM(text)
+    elif prefix == "model.language_model.":
+        model = Gemma4ForConditionalGeneration(
+            Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+        )
+    else:
+        raise ValueError(f"unknown prefix {prefix!r}")
+    randomize_(model, seed)
+    model = model.to(getattr(torch, dtype))
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    max_shard = total if shards <= 1 else max(1, total // shards + 1)
+    model.save_pretrained(out_dir, max_shard_size=max_shard)
+    if tokenizer:
+        build_tokenizer(out_dir, text.vocab_size)
+    if dialect == "per_layer_config":
+        to_per_layer_config(os.path.join(out_dir, "config.json"))
+    elif dialect != "legacy":
+        raise ValueError(f"unknown dialect {dialect!r}")
+    return out_dir
+
+
+def to_per_layer_config(config_path: str) -> None:
+    """Rewrite legacy global_head_dim / num_global_key_value_heads as per_layer_config."""
+    with open(config_path) as f:
+        cfg = json.load(f)
+    text = cfg["text_config"] if cfg.get("model_type") == "gemma4" else cfg
+    ghd = text.pop("global_head_dim", 512)
+    gkv = text.pop("num_global_key_value_heads", None)
+    override = {"head_dim": ghd}
+    if text.get("attention_k_eq_v") and gkv is not None:
+        override["num_key_value_heads"] = gkv
+    text["per_layer_config"] = {
+        str(i): dict(override) for i, t in enumerate(text["layer_types"]) if t == "full_attention"
+    }
+    with open(config_path, "w") as f:
+        json.dump(cfg, f, indent=2)

@@ -1,0 +1,1 @@
+"""training package (see README)."""
