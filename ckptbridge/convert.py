@@ -264,7 +264,7 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
     spec = get_family(cfg.family)
     if meta.get("family") not in (None, spec.name):
         raise MismatchError(f"{path}: metadata says family {meta['family']!r} but the config is {spec.name!r}")
-    prefix = prefix if prefix in spec.key_prefixes else cfg.default_prefix
+    prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
     ents = mapping.entries(cfg, spec, prefix)
     leaves = ckpt.leaves
     suffix: tuple[str, ...] = ()

@@ -62,9 +62,9 @@ def randomize_(model, seed: int = 0) -> None:
             if not t.is_floating_point() or name.endswith("embed_scale") or "inv_freq" in name:
                 continue
             if name.endswith("layer_scalar"):
-                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+                t.copy_(0.5 * torch.rand(t.shape, generator=g) + 0.75)
             elif "norm" in name:
-                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+                t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=g))
             else:
                 t.copy_(torch.randn(t.shape, generator=g) * (t.shape[-1] ** -0.5))
 

@@ -88,7 +88,7 @@ def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None =
     )
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, save_concurrent_gb=1)
     with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(path, args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
+        ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
 
 
 def _looks_like_checkpoint(path: str) -> bool:
@@ -146,7 +146,8 @@ class OrbaxCheckpoint:
     """Lazy reader of an Orbax PyTree checkpoint: tree metadata, custom metadata, leaves."""
 
     def __init__(self, path: str):
-        self.path = path
+        # Orbax resolves relative paths inconsistently (metadata of a relative path reads as None).
+        self.path = path = os.path.abspath(path)
         if not _looks_like_checkpoint(path):
             raise InputNotFoundError(f"{path}: not an Orbax checkpoint (no _METADATA file)")
         ocp = _ocp()
@@ -155,6 +156,8 @@ class OrbaxCheckpoint:
             meta = self._ckptr.metadata(path)
             item_meta = meta.item_metadata
             tree = item_meta.tree if hasattr(item_meta, "tree") else item_meta
+            if not isinstance(tree, Mapping):
+                raise TypeError(f"tree metadata is {type(tree).__name__}")
         except Exception as e:  # orbax raises many types for damaged metadata
             raise CorruptFileError(
                 f"{path}: Orbax metadata cannot be read ({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged"

@@ -1,0 +1,5 @@
+import sys
+
+from ckptbridge.cli import main
+
+sys.exit(main())

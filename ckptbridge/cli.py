@@ -1,0 +1,222 @@
+"""The ``ckptbridge`` command line.
+
+    ckptbridge convert safetensors-to-orbax SRC DST
+    ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB]
+    ckptbridge inspect PATH [--json]
+    ckptbridge verify logits HF_DIR [--tunix SRC]
+    ckptbridge verify tensors A B
+
+Errors end in one line on stderr (``ckptbridge: error: ...``) and a non-zero exit code that
+tells the kind of failure (see ``docs/reliability.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+from ckptbridge import __version__
+from ckptbridge.errors import CkptBridgeError
+
+EPILOG = "Exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, 8 config, 1 internal."
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu") or "cpu")
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:
+        pass
+    for name in ("absl", "jax", "orbax", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _progress(args) -> bool | None:
+    return False if args.quiet else None
+
+
+def _emit(args, result: dict, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(text)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _conversion_text(r: dict) -> str:
+    kinds = ", ".join(f"{v} {k}" for k, v in r["layer_kinds"].items())
+    return (
+        f"{r['direction']}: {r['source']} -> {r['destination']}\n"
+        f"  {r['family']}, key prefix {r['key_prefix']}, layers: {kinds}\n"
+        f"  {r['tensors']} tensors, {_human_bytes(r['bytes'])} in {r['seconds']:.2f} s"
+    )
+
+
+def cmd_s2o(args) -> int:
+    from ckptbridge.convert import convert_safetensors_to_orbax
+
+    r = convert_safetensors_to_orbax(args.src, args.dst, overwrite=args.overwrite,
+                                     skip_multimodal=args.skip_multimodal, progress=_progress(args))
+    text = _conversion_text(r)
+    if r["towers_dropped"]:
+        text += f"\n  dropped {r['towers_dropped']} vision/audio tensors (--skip-multimodal)"
+    _emit(args, r, text)
+    return 0
+
+
+def cmd_o2s(args) -> int:
+    from ckptbridge.convert import convert_orbax_to_safetensors
+
+    r = convert_orbax_to_safetensors(args.src, args.dst, config=args.config, max_shard_size=args.max_shard_size,
+                                     step=args.step, overwrite=args.overwrite, progress=_progress(args))
+    _emit(args, r, _conversion_text(r) + f"\n  files: {', '.join(r['files'])}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from ckptbridge.inspect import format_report, inspect_path
+
+    info = inspect_path(args.path, step=args.step)
+    _emit(args, info, format_report(info))
+    return 0
+
+
+def cmd_verify_logits(args) -> int:
+    from ckptbridge.verify import logits_parity
+
+    r = logits_parity(args.hf_dir, args.tunix, seq_len=args.seq_len)
+    ok = r["rel_l2"] <= args.tolerance and r["argmax_agreement"] == 1.0
+    r["ok"] = ok
+    _emit(args, r, (
+        f"logits parity, transformers ({r['hf']}) vs Tunix ({r['tunix']}), tokens {r['tokens'][0]}x{r['tokens'][1]}"
+        f" (sliding window {r['sliding_window']}):\n  relative L2 {r['rel_l2']:.3e}, max |diff| {r['max_abs_diff']:.3e},"
+        f" argmax agreement {r['argmax_agreement']:.4f} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:g})"
+    ))
+    return 0 if ok else 6
+
+
+def cmd_verify_tensors(args) -> int:
+    from ckptbridge.verify import compare_tensors
+
+    r = compare_tensors(args.a, args.b)
+    text = (
+        f"{r['a']} vs {r['b']}: {r['tensors']} tensors, "
+        + ("identical (keys, dtypes, shapes, bytes)" if r["identical"] else
+           f"DIFFERENT: {len(r['differing'])} differ, {len(r['only_in_a'])} only in A, {len(r['only_in_b'])} only in B")
+    )
+    for key in (r["differing"] + r["only_in_a"] + r["only_in_b"])[:10]:
+        text += f"\n  {key}"
+    _emit(args, r, text)
+    return 0 if r["identical"] else 6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ckptbridge",
+        description="Convert LLM checkpoints between HF safetensors and Tunix/Orbax, exactly and streaming.",
+        epilog=EPILOG,
+    )
+    p.add_argument("--version", action="version", version=f"ckptbridge {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    conv = sub.add_parser("convert", help="convert a checkpoint", description="Convert a checkpoint.", epilog=EPILOG)
+    csub = conv.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+
+    def common(sp):
+        sp.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+        sp.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    s2o = csub.add_parser(
+        "safetensors-to-orbax", help="HF model directory -> Orbax checkpoint of the Tunix state",
+        description="Convert an HF model directory (model.safetensors, or shards + index) into an Orbax "
+        "checkpoint of the Tunix Gemma4 parameters (Tunix layout, source dtype). The HF config, family and "
+        "key prefix are stored in the checkpoint's metadata, and the tokenizer files beside it.",
+        epilog=EPILOG,
+    )
+    s2o.add_argument("src", metavar="SRC", help="HF model directory")
+    s2o.add_argument("dst", metavar="DST", help="Orbax checkpoint directory to create")
+    s2o.add_argument("--skip-multimodal", action="store_true",
+                     help="convert the text model of a checkpoint that has vision/audio towers and drop the towers")
+    common(s2o)
+    s2o.set_defaults(func=cmd_s2o)
+
+    o2s = csub.add_parser(
+        "orbax-to-safetensors", help="Orbax checkpoint -> HF model directory",
+        description="Convert an Orbax checkpoint of Tunix Gemma4 parameters back into an HF model directory "
+        "(sharded safetensors + index, config.json, tokenizer files).",
+        epilog=EPILOG,
+    )
+    o2s.add_argument("src", metavar="SRC", help="Orbax checkpoint (or a checkpoint-manager root / step directory)")
+    o2s.add_argument("dst", metavar="DST", help="HF model directory to create")
+    o2s.add_argument("--config", metavar="HF_CONFIG",
+                     help="config.json (or its directory) for checkpoints without ckptbridge metadata; "
+                     "non-weight files beside it are copied too")
+    o2s.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)")
+    o2s.add_argument("--step", type=int, help="step to read from a checkpoint-manager root (default: latest)")
+    common(o2s)
+    o2s.set_defaults(func=cmd_o2s)
+
+    ins = sub.add_parser("inspect", help="say what a checkpoint is", epilog=EPILOG,
+                         description="Identify PATH (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and "
+                         "summarise it: family, layer kinds, dtypes, parameter count, metadata.")
+    ins.add_argument("path", metavar="PATH")
+    ins.add_argument("--step", type=int, help="step of a checkpoint-manager root (default: latest)")
+    ins.add_argument("--json", action="store_true", help="print JSON")
+    ins.set_defaults(func=cmd_inspect)
+
+    ver = sub.add_parser("verify", help="check a conversion", description="Check a conversion.", epilog=EPILOG)
+    vsub = ver.add_subparsers(dest="check", metavar="CHECK", required=True)
+    vl = vsub.add_parser("logits", help="transformers vs Tunix logits on the same tokens", epilog=EPILOG,
+                         description="Run transformers on HF_DIR and Tunix on --tunix (default HF_DIR) in float32 "
+                         "over a sequence longer than the sliding window; compare logits.")
+    vl.add_argument("hf_dir", metavar="HF_DIR")
+    vl.add_argument("--tunix", metavar="SRC", help="HF directory or Orbax checkpoint to load into Tunix")
+    vl.add_argument("--seq-len", type=int, help="tokens per sequence (default 2 x window + 3)")
+    vl.add_argument("--tolerance", type=float, default=1e-5, help="largest relative L2 accepted (default 1e-5)")
+    vl.add_argument("--json", action="store_true")
+    vl.set_defaults(func=cmd_verify_logits)
+    vt = vsub.add_parser("tensors", help="bitwise comparison of two HF model directories", epilog=EPILOG)
+    vt.add_argument("a", metavar="A")
+    vt.add_argument("b", metavar="B")
+    vt.add_argument("--json", action="store_true")
+    vt.set_defaults(func=cmd_verify_tensors)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    try:
+        return args.func(args)
+    except CkptBridgeError as e:
+        print(f"ckptbridge: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ckptbridge: interrupted; the destination was not written", file=sys.stderr)
+        return 130
+    except Exception as e:  # an internal error: one line, details on request
+        if os.environ.get("CKPTBRIDGE_DEBUG"):
+            raise
+        print(f"ckptbridge: internal error: {type(e).__name__}: {e} (set CKPTBRIDGE_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Fixtures: tiny random Gemma 4 checkpoints written by transformers' save_pretrained.
+
+Built once per session. All dims distinct (see ckptbridge.testing.TINY_DIMS); random norms
+and layer scalars; k_eq_v and plain global layers; both key prefixes; one file and 2 shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+CASES = {
+    # name: build_checkpoint kwargs
+    "keqv_lm_f32_sharded": dict(k_eq_v=True, prefix="model.language_model.", dtype="float32", shards=2),
+    "keqv_text_bf16_single": dict(k_eq_v=True, prefix="model.", dtype="bfloat16", shards=1),
+    "kv_text_f32_sharded": dict(k_eq_v=False, prefix="model.", dtype="float32", shards=2),
+    "kv_lm_bf16_sharded": dict(k_eq_v=False, prefix="model.language_model.", dtype="bfloat16", shards=2),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> path of a tiny HF checkpoint, built lazily and cached for the session."""
+    from ckptbridge.testing import build_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    built: dict[str, str] = {}
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            path = str(root / name)
+            build_checkpoint(path, seed=len(built), **CASES[name])
+            built[name] = path
+            self[name] = path
+            return path
+
+    return Lazy()
+
+
+def tree_hash(path: str) -> str:
+    """Hash of every file's relative path and bytes under ``path`` (inputs must stay untouched)."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in sorted(os.walk(path)):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            h.update(os.path.relpath(full, path).encode())
+            with open(full, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the ckptbridge CLI in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "ckptbridge", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
