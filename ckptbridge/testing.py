@@ -164,3 +164,40 @@ def to_per_layer_config(config_path: str) -> None:
     }
     with open(config_path, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def write_random_checkpoint(out_dir: str, *, dtype: str = "bfloat16", prefix: str = "model.",
+                            max_shard_size: int = 5 * 10**9, seed: int = 0, **overrides: Any) -> str:
+    """Write an HF Gemma 4 checkpoint of any size straight from the spec table, without torch.
+
+    Tensors are generated and written one at a time (memory stays at one tensor), so this can
+    produce checkpoints of real width for benchmarks. ``overrides`` are Gemma4TextConfig fields.
+    """
+    import numpy as np
+
+    from ckptbridge import mapping
+    from ckptbridge.config import parse_config
+    from ckptbridge.io.safetensors import DTYPES, PlannedTensor, write_sharded
+    from ckptbridge.specs import GEMMA4
+
+    kw = text_config_kwargs(overrides.pop("attention_k_eq_v", True), **overrides)
+    text = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "dtype": dtype, **kw}
+    hf_config = text if prefix == "model." else {
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+        "vision_config": None, "audio_config": None, "tie_word_embeddings": True, "dtype": dtype,
+    }
+    cfg = parse_config(hf_config)
+    np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}[dtype]
+    planned = []
+    for i, e in enumerate(mapping.entries(cfg, GEMMA4, prefix)):
+        for j, key in enumerate(e.hf_keys):
+            def produce(shape=e.hf_shape, s=seed * 100_003 + i * 7 + j):
+                rng = np.random.default_rng(s)
+                return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np_dtype)
+
+            planned.append(PlannedTensor(key, np_dtype, e.hf_shape, produce))
+    os.makedirs(out_dir, exist_ok=True)
+    write_sharded(out_dir, planned, max_shard_size)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    return out_dir

@@ -2,9 +2,11 @@
 
 The format: 8 bytes little-endian header length ``N``, ``N`` bytes of JSON mapping each tensor
 name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of
-the header) plus an optional ``"__metadata__"`` string map, then the tensor bytes. Arrays are
-read as memory-mapped views (nothing is loaded until touched) and bf16/fp8 come through
-``ml_dtypes`` bit for bit. Every header field is checked before any byte is trusted.
+the header) plus an optional ``"__metadata__"`` string map, then the tensor bytes. Opening a
+file reads only its header; each tensor is read when asked for, into memory of its own that
+is freed with it (a memory map of the whole file would keep every page read so far resident),
+and bf16/fp8 come through ``ml_dtypes`` bit for bit. Every header field is checked before any
+byte is trusted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import mmap
 import os
 import struct
 from typing import Callable, Iterable, Iterator, Mapping
@@ -79,7 +80,6 @@ class SafetensorsFile:
         self._file = open(path, "rb")
         try:
             self.infos, self.metadata = self._read_header(size)
-            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         except BaseException:
             self._file.close()
             raise
@@ -152,27 +152,29 @@ class SafetensorsFile:
         return self.infos[name]
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only view of tensor ``name``; bytes are read from disk when touched."""
+        """Tensor ``name``, read from disk into a new array."""
         i = self.infos[name]
-        dt = DTYPES[i.dtype]
-        count = math.prod(i.shape)
-        if count == 0:
-            return np.zeros(i.shape, dt)
-        return np.frombuffer(self._mmap, dtype=dt, count=count, offset=i.begin).reshape(i.shape)
+        out = np.empty(i.shape, DTYPES[i.dtype])
+        self._read_into(i, out.reshape(-1).view(np.uint8))
+        return out
 
-    def raw(self, name: str) -> memoryview:
+    def raw(self, name: str) -> bytes:
+        """The stored bytes of tensor ``name``."""
         i = self.infos[name]
-        if i.end == i.begin:
-            return memoryview(b"")
-        return memoryview(self._mmap)[i.begin : i.end]
+        buf = bytearray(i.nbytes)
+        self._read_into(i, memoryview(buf))
+        return bytes(buf)
+
+    def _read_into(self, info: TensorInfo, buf) -> None:
+        view = memoryview(buf).cast("B")
+        done, fd = 0, self._file.fileno()
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:]], info.begin + done)
+            if n <= 0:
+                raise CorruptFileError(f"{self.path}: tensor {info.name!r} ends early (file changed or truncated)")
+            done += n
 
     def close(self) -> None:
-        if getattr(self, "_mmap", None) is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # views still alive; the map closes when they go
-                pass
-            self._mmap = None
         self._file.close()
 
     def __enter__(self) -> "SafetensorsFile":

@@ -1,0 +1,96 @@
+"""Peak resident memory of a conversion vs the number of layers (same width).
+
+Builds two bf16 Gemma 4 checkpoints of the same width with 4 and 16 layers, converts each
+HF -> Orbax -> HF in a fresh process, and prints peak RSS (and the RSS of a process that only
+imports the same modules) next to the checkpoint size. Streaming means the peak should stay
+flat while the checkpoint grows 4x.
+
+    .venv/bin/python benchmarks/memory_vs_layers.py [--layers 4 16] [--width 1024] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+DRIVER = r"""
+import json, resource, sys, time
+from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
+what, src, dst = sys.argv[1:4]
+t = time.perf_counter()
+if what == "s2o":
+    convert_safetensors_to_orbax(src, dst, progress=False)
+elif what == "o2s":
+    convert_orbax_to_safetensors(src, dst, progress=False)
+print(json.dumps({"seconds": time.perf_counter() - t,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def measure(what: str, src: str, dst: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", DRIVER, what, src, dst], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--width", type=int, default=1024, help="hidden size D (MLP 4 D, 8 heads)")
+    ap.add_argument("--out", help="write results JSON here")
+    args = ap.parse_args()
+    from ckptbridge.testing import write_random_checkpoint
+
+    d = args.width
+    dims = dict(vocab_size=8 * d, hidden_size=d, intermediate_size=4 * d, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=d // 8, global_head_dim=d // 4, num_global_key_value_heads=2,
+                sliding_window=128)
+    tmp = tempfile.mkdtemp(prefix="ckptbridge-bench-")
+    rows = []
+    try:
+        baseline = measure("none", "", "")
+        for n in args.layers:
+            hf = os.path.join(tmp, f"hf{n}")
+            write_random_checkpoint(hf, num_hidden_layers=n, **dims)
+            size = dir_bytes(hf)
+            t = time.perf_counter()
+            subprocess.run(["cp", "-r", hf, hf + ".cp"], check=True)
+            cp_s = time.perf_counter() - t
+            s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"))
+            o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"))
+            rows.append({"layers": n, "checkpoint_mb": size / 2**20, "cp_s": cp_s,
+                         "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
+                         "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"]})
+            shutil.rmtree(os.path.join(tmp, f"orbax{n}"))
+            shutil.rmtree(os.path.join(tmp, f"back{n}"))
+            shutil.rmtree(hf + ".cp")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"width D={d}, bf16; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
+    print(f"{'layers':>6} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} {'o2s peak MB':>12}")
+    for r in rows:
+        print(f"{r['layers']:>6} {r['checkpoint_mb']:>8.0f} {r['cp_s']:>6.2f} {r['s2o_s']:>6.2f} "
+              f"{r['s2o_peak_rss_mb']:>12.0f} {r['o2s_s']:>6.2f} {r['o2s_peak_rss_mb']:>12.0f}")
+    first, last = rows[0], rows[-1]
+    ratio = {k: last[k] / first[k] for k in ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb")}
+    print(f"ratio {last['layers']} vs {first['layers']} layers: checkpoint {ratio['checkpoint_mb']:.2f}x, "
+          f"s2o peak RSS {ratio['s2o_peak_rss_mb']:.2f}x, o2s peak RSS {ratio['o2s_peak_rss_mb']:.2f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"width": d, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
