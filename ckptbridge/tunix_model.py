@@ -88,6 +88,26 @@ def tunix_model_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any 
     return gm.ModelConfig(**kwargs)
 
 
+def _check_divisible(name: str, shape: tuple[int, ...], sharding) -> None:
+    """A clear error where Tunix's annotation splits a dimension the mesh axis does not divide."""
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+        if axes is None:
+            continue
+        names = axes if isinstance(axes, tuple) else (axes,)
+        parts = 1
+        for a in names:
+            parts *= mesh.shape[a]
+        if size % parts:
+            raise UnsupportedError(
+                f"{name}: dimension {dim} of size {size} cannot be split over mesh axis "
+                f"{'x'.join(names)} of size {parts}; choose a mesh whose {'x'.join(names)} divides it"
+            )
+
+
 def _open_source(src: str, step: int | None, skip_multimodal: bool):
     from ckptbridge.convert import open_hf_source, open_orbax_source
 
@@ -140,6 +160,8 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
                 )
             value = value.astype(pdtype, copy=False)
             device = lookup(shardings, e.tunix_path) if shardings is not None else jax.devices()[0]
+            if shardings is not None:
+                _check_divisible(e.tunix_name, value.shape, device)
             assign(pure, e.tunix_path, jax.device_put(value, device))
             filled += 1
         leaves = len(jax.tree_util.tree_leaves(pure))
