@@ -22,7 +22,7 @@ from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import HFModelDir, copy_assets, is_weight_file
-from ckptbridge.io.safetensors import PlannedTensor, parse_size, write_sharded
+from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size, write_sharded
 from ckptbridge.progress import Progress
 from ckptbridge.specs import FamilySpec, get_family
 
@@ -57,7 +57,7 @@ class HFSource:
         return mapping.hf_to_tunix(entry, self.arrays(entry))
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
-        return self.model.array(entry.hf_keys[0]).dtype
+        return numpy_dtype(self.model.info(entry.hf_keys[0]).dtype)
 
     def close(self) -> None:
         self.model.close()
@@ -161,16 +161,14 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     t0 = time.perf_counter()
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
-        total = sum(int(np.prod(e.tunix_shape)) * source.dtype(e).itemsize for e in source.entries)
+        flat = {
+            e.tunix_path: orbax_io.LazyArray(e.tunix_shape, source.dtype(e), produce=lambda e=e: source.tunix_value(e))
+            for e in source.entries
+        }
+        total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "safetensors -> orbax", enabled=progress)
-        flat = {}
-        for e in source.entries:
-            nbytes = int(np.prod(e.tunix_shape)) * source.dtype(e).itemsize
-            flat[e.tunix_path] = orbax_io.LazyArray(
-                e.tunix_shape, source.dtype(e),
-                produce=lambda e=e: source.tunix_value(e),
-                on_written=lambda n=nbytes: bar.update(n),
-            )
+        for leaf in flat.values():
+            leaf.on_written = lambda n=leaf.nbytes: bar.update(n)
         assets = source.model.asset_files()
         with atomic_directory(dst, overwrite) as tmp:
             orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets))

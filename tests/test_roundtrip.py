@@ -9,6 +9,7 @@ import pytest
 from ckptbridge import mapping
 from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax, open_hf_source
 from ckptbridge.io.hf import HFModelDir
+from ckptbridge.io.orbax import nest
 from ckptbridge.verify import compare_tensors
 
 from conftest import CASES, tree_hash
@@ -107,12 +108,7 @@ def test_tunix_tree_without_metadata_needs_config(checkpoints, tmp_path):
     with open_hf_source(src) as source:
         for e in source.entries:
             flat[e.tunix_path + ("value",)] = np.array(source.tunix_value(e))
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = value
+    tree = nest(flat)
     ckpt = os.path.abspath(str(tmp_path / "tunix_tree"))
     ocp.PyTreeCheckpointer().save(ckpt, tree)
     with pytest.raises(ConfigError, match="--config"):

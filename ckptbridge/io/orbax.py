@@ -44,6 +44,10 @@ class LazyArray:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
 
 def _ocp():
     import orbax.checkpoint as ocp  # imported lazily: it pulls in jax
