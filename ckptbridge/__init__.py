@@ -3,6 +3,7 @@
 Public API::
 
     from ckptbridge import convert_safetensors_to_orbax, convert_orbax_to_safetensors, inspect_path
+    from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax, merge_lora
     from ckptbridge import load_tunix_model      # HF directory or Orbax checkpoint -> tunix Gemma4
 """
 
@@ -13,6 +14,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "convert_safetensors_to_orbax": "ckptbridge.convert",
     "convert_orbax_to_safetensors": "ckptbridge.convert",
+    "convert_orbax_to_peft": "ckptbridge.adapters",
+    "convert_peft_to_orbax": "ckptbridge.adapters",
+    "merge_lora": "ckptbridge.merge",
     "inspect_path": "ckptbridge.inspect",
     "load_tunix_model": "ckptbridge.tunix_model",
     "tunix_model_config": "ckptbridge.tunix_model",

@@ -2,6 +2,9 @@
 
     ckptbridge convert safetensors-to-orbax SRC DST
     ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB]
+    ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
+    ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
+    ckptbridge merge BASE ADAPTER DST
     ckptbridge inspect PATH [--json]
     ckptbridge verify logits HF_DIR [--tunix SRC]
     ckptbridge verify tensors A B
@@ -84,6 +87,49 @@ def cmd_o2s(args) -> int:
     r = convert_orbax_to_safetensors(args.src, args.dst, config=args.config, max_shard_size=args.max_shard_size,
                                      step=args.step, overwrite=args.overwrite, progress=_progress(args))
     _emit(args, r, _conversion_text(r) + f"\n  files: {', '.join(r['files'])}")
+    return 0
+
+
+def cmd_o2p(args) -> int:
+    from ckptbridge.adapters import convert_orbax_to_peft
+
+    r = convert_orbax_to_peft(args.src, args.dst, base=args.base, step=args.step, alpha=args.alpha,
+                              target=args.target, overwrite=args.overwrite, progress=_progress(args))
+    text = (f"orbax-to-peft ({r['target']}): {r['source']} -> {r['destination']}\n"
+            f"  {r['modules']} modules, r={r['r']}, lora_alpha={r['lora_alpha']}, {_human_bytes(r['bytes'])} "
+            f"in {r['seconds']:.2f} s")
+    for w in r["warnings"]:
+        text += f"\n  warning: {w}"
+    _emit(args, r, text)
+    return 0
+
+
+def cmd_p2o(args) -> int:
+    from ckptbridge.adapters import convert_peft_to_orbax
+
+    r = convert_peft_to_orbax(args.src, args.dst, base=args.base, kv=args.kv, step=args.step,
+                              overwrite=args.overwrite, progress=_progress(args))
+    text = (f"peft-to-orbax: {r['source']} -> {r['destination']}/{r['step']}/model_params\n"
+            f"  {r['modules']} modules ({', '.join(f'{v} {k}' for k, v in r['modes'].items())}), "
+            f"{_human_bytes(r['bytes'])} in {r['seconds']:.2f} s")
+    for rule in r["rules"]:
+        text += f"\n  rule: rank {rule['rank']}, alpha {rule['alpha']}: {rule['module_path']}"
+    for module, err in r["svd_relative_error"].items():
+        text += f"\n  svd {module}: relative error {err:.3e}"
+    if r["vllm_repeats_dropped"]:
+        text += f"\n  dropped {r['vllm_repeats_dropped']} v_proj copies of k_proj factors (vLLM export)"
+    _emit(args, r, text)
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from ckptbridge.merge import merge_lora
+
+    r = merge_lora(args.base, args.adapter, args.dst, step=args.step, alpha=args.alpha,
+                   max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=_progress(args))
+    _emit(args, r, (f"merge: {r['base']} + {r['adapter']} -> {r['destination']}\n"
+                    f"  {r['merged_tensors']} tensors merged, {r['copied_tensors']} copied, "
+                    f"{_human_bytes(r['bytes'])} in {r['seconds']:.2f} s\n  files: {', '.join(r['files'])}"))
     return 0
 
 
@@ -170,6 +216,55 @@ def build_parser() -> argparse.ArgumentParser:
     o2s.add_argument("--step", type=int, help="step to read from a checkpoint-manager root (default: latest)")
     common(o2s)
     o2s.set_defaults(func=cmd_o2s)
+
+    o2p = csub.add_parser(
+        "orbax-to-peft", help="Tunix/qwix LoRA checkpoint -> PEFT adapter",
+        description="Convert a Tunix/qwix LoRA checkpoint (checkpoint-manager root, step directory or its "
+        "model_params) into a PEFT adapter for the HF base model. Reads files only: no model, no accelerator.",
+        epilog=EPILOG,
+    )
+    o2p.add_argument("src", metavar="SRC", help="LoRA checkpoint: root with step directories, a step, or model_params")
+    o2p.add_argument("dst", metavar="DST", help="PEFT adapter directory to create")
+    o2p.add_argument("--base", required=True, help="HF base model directory (config and key names; weights not read)")
+    o2p.add_argument("--step", type=int, help="step to read from a root (default: latest)")
+    o2p.add_argument("--alpha", type=float,
+                     help="LoRA alpha, when the checkpoint does not record it (scale = alpha / rank)")
+    o2p.add_argument("--target", choices=["hf", "vllm"], default="hf",
+                     help="hf: for transformers/PEFT (default); vllm: also repeat k_proj LoRA as v_proj on "
+                     "k_eq_v layers and make rank/alpha uniform")
+    common(o2p)
+    o2p.set_defaults(func=cmd_o2p)
+
+    p2o = csub.add_parser(
+        "peft-to-orbax", help="PEFT adapter -> Tunix/qwix LoRA checkpoint",
+        description="Convert a PEFT LoRA adapter into a Tunix checkpoint root DST/<step>/model_params that "
+        "tunix CheckpointManager.maybe_restore(..., restore_only_lora_params=True) loads; the qwix rules that "
+        "build the matching LoRA model are stored in the step's custom metadata.",
+        epilog=EPILOG,
+    )
+    p2o.add_argument("src", metavar="SRC", help="PEFT adapter directory")
+    p2o.add_argument("dst", metavar="DST", help="checkpoint root to create")
+    p2o.add_argument("--base", required=True, help="HF base model directory")
+    p2o.add_argument("--kv", choices=["exact", "svd"], default="exact",
+                     help="k/v with different lora_A: exact (default) stacks them at rank r_k + r_v; svd keeps "
+                     "rank r with the best shared A and reports the error")
+    p2o.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
+    common(p2o)
+    p2o.set_defaults(func=cmd_p2o)
+
+    mrg = sub.add_parser(
+        "merge", help="merge a LoRA adapter into the base model", epilog=EPILOG,
+        description="Merge a PEFT adapter or a Tunix/qwix LoRA checkpoint into the HF base model, tensor by "
+        "tensor (float32 accumulation, base dtype kept), writing a sharded HF model directory.",
+    )
+    mrg.add_argument("base", metavar="BASE", help="HF base model directory")
+    mrg.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Orbax LoRA checkpoint")
+    mrg.add_argument("dst", metavar="DST", help="merged HF model directory to create")
+    mrg.add_argument("--step", type=int, help="step of an Orbax checkpoint root (default: latest)")
+    mrg.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax checkpoint that does not record it")
+    mrg.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    common(mrg)
+    mrg.set_defaults(func=cmd_merge)
 
     ins = sub.add_parser("inspect", help="say what a checkpoint is", epilog=EPILOG,
                          description="Identify PATH (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and "

@@ -244,7 +244,9 @@ def open_orbax_source(src: str, *, config: str | None = None, step: int | None =
 def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> OrbaxSource:
     meta = ckpt.ckptbridge_metadata
     path = ckpt.path
-    if meta.get("kind") == "lora" or any(p[-1].endswith(("_lora_a", "_lora_b")) for p in ckpt.leaves):
+    from ckptbridge.lora import is_lora_leaf
+
+    if meta.get("kind") == "lora" or any(is_lora_leaf(p) for p in ckpt.leaves):
         raise UnsupportedError(f"{path}: is a LoRA checkpoint, not full weights; use `ckptbridge convert orbax-to-peft`")
     config_dir = None
     if config is not None:

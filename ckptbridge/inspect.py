@@ -58,7 +58,9 @@ def _inspect_orbax(path: str, step: int | None) -> dict:
     with OrbaxCheckpoint(item) as ckpt:
         leaves = ckpt.leaves
         meta = ckpt.ckptbridge_metadata
-        lora = any(p[-1].endswith(("_lora_a", "_lora_b")) for p in leaves)
+        from ckptbridge.lora import is_lora_leaf
+
+        lora = any(is_lora_leaf(p) for p in leaves)
         out = {
             "kind": "orbax-lora" if lora else "orbax-weights",
             "path": item,
@@ -74,7 +76,7 @@ def _inspect_orbax(path: str, step: int | None) -> dict:
         if lora:
             ranks = Counter()
             for p, (shape, _) in leaves.items():
-                if p[-1].endswith("_lora_a") or (len(p) > 1 and p[-2].endswith("_lora_a")):
+                if is_lora_leaf(p) and "_lora_a" in "/".join(p[-2:]):
                     ranks[int(shape[-1])] += 1
             out["lora_ranks"] = {str(r): n for r, n in ranks.items()}
         return out
@@ -98,9 +100,17 @@ def _inspect_peft(path: str) -> dict:
         "target_modules": cfg.get("target_modules"),
         "base_model_name_or_path": cfg.get("base_model_name_or_path"),
     }
+    for key in ("rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "modules_to_save"):
+        if cfg.get(key):
+            out[key] = cfg[key]
     weights = os.path.join(path, "adapter_model.safetensors")
     if os.path.isfile(weights):
         with SafetensorsFile(weights) as f:
+            if "ckptbridge" in f.metadata:
+                try:
+                    out["ckptbridge"] = json.loads(f.metadata["ckptbridge"])
+                except json.JSONDecodeError:
+                    out["ckptbridge"] = f.metadata["ckptbridge"]
             out["tensors"] = len(f.keys())
             out["parameters"] = sum(_count(f.info(k).shape) for k in f.keys())
             out["dtypes"] = dict(Counter(f.info(k).dtype for k in f.keys()))
@@ -136,7 +146,8 @@ def format_report(info: dict) -> str:
     """Human-readable lines for an inspect result."""
     lines = [f"{info['path']}: {info['kind']}"]
     for key in ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
-                "peft_type", "r", "lora_alpha", "target_modules", "base_model_name_or_path", "lora_ranks",
+                "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora",
+                "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge", "lora_ranks",
                 "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid", "problem"):
         if key in info and info[key] not in (None, [], {}):
             value = info[key]

@@ -41,6 +41,11 @@ class Entry:
     def tunix_name(self) -> str:
         return ".".join(self.tunix_path)
 
+    @property
+    def key_prefix(self) -> str:
+        """The HF key prefix of this entry (up to and including ``layers.{i}.``)."""
+        return self.hf_keys[0][: len(self.hf_keys[0]) - len(self.rule.hf[0])]
+
 
 def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
     """Every tensor of the text model: model-level tensors, then each layer's."""

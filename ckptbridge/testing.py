@@ -201,3 +201,66 @@ def write_random_checkpoint(out_dir: str, *, dtype: str = "bfloat16", prefix: st
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     return out_dir
+
+
+LORA_TARGETS = ".*(q_einsum|kv_einsum|k_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
+
+
+def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: int = 0, scale: float = 0.3):
+    """A Tunix Gemma4 from ``base_dir`` with qwix LoRA on ``rules`` (default: all seven targets,
+    rank 4, alpha 12) and random non-zero A and B. Returns ``(model, rules)``; needs jax, qwix."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
+
+    rules = rules or [{"module_path": LORA_TARGETS, "rank": 4, "alpha": 12.0}]
+    model, _ = load_tunix_model(base_dir, param_dtype=np.float32)
+    model = apply_lora_rules(model, rules, seed=seed)
+    state = nnx.state(model, nnx.LoRAParam)
+    rng = np.random.default_rng(seed)
+    pure = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape).astype(np.float32) * scale / np.sqrt(x.shape[0])),
+        state.to_pure_dict(),
+    )
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+    return model, rules
+
+
+def save_tunix_lora(model, root: str, step: int = 1, custom_metadata: dict | None = None) -> str:
+    """Save the LoRA parameters with Tunix's own CheckpointManager (as its trainer does)."""
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    manager = CheckpointManager(root)
+    manager.save(step, model, save_only_lora_params=True, force=True, custom_metadata=custom_metadata)
+    manager.close()
+    return root
+
+
+def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: float = 10,
+                       target_modules: str | list[str] | None = None, seed: int = 0, scale: float = 0.3,
+                       **config: Any) -> str:
+    """A LoRA adapter made by PEFT itself on the HF base, with random (non-zero) A and B.
+    Separate k_proj / v_proj modules get different A, as PEFT training would give them."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from ckptbridge.config import read_config_file
+    from ckptbridge.verify import _hf_model_class
+
+    cls = _hf_model_class(read_config_file(os.path.join(base_dir, "config.json")))
+    base = cls.from_pretrained(base_dir, dtype=torch.float32)
+    lang = "language_model" if read_config_file(os.path.join(base_dir, "config.json"))["model_type"] == "gemma4" else "model"
+    target = target_modules or rf".*{lang}.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target, task_type="CAUSAL_LM", **config)
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale / (p.shape[-1] ** 0.5))
+    model.save_pretrained(out_dir)
+    return out_dir

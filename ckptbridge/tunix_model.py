@@ -168,3 +168,45 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
         if filled != leaves:
             raise UnsupportedError(f"{src}: filled {filled} of the {leaves} Tunix parameters; the spec is incomplete")
         return nnx.merge(graphdef, pure), tcfg
+
+
+def apply_lora_rules(model, rules: list[dict], *, seed: int = 0):
+    """Wrap a Tunix Gemma4 with qwix LoRA following ``rules`` ([{module_path, rank, alpha}, ...])."""
+    import jax.numpy as jnp
+    import qwix
+    from flax import nnx
+
+    provider = qwix.LoraProvider([qwix.LoraRule(module_path=r["module_path"], rank=int(r["rank"]),
+                                                alpha=float(r["alpha"])) for r in rules])
+    t = 4  # Gemma 4 sliding layers need more than one token to trace
+    return qwix.apply_lora_to_model(
+        model, provider, jnp.ones((1, t), jnp.int32), jnp.arange(t)[None], None,
+        jnp.tril(jnp.ones((1, t, t), bool)), rngs=nnx.Rngs(seed),
+    )
+
+
+def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None, mesh=None,
+                          param_dtype: Any = None, rules: list[dict] | None = None):
+    """The Tunix base model with qwix LoRA rebuilt from the rules recorded in a LoRA checkpoint root
+    (as ``peft-to-orbax`` or the training package write them) and its factors restored with Tunix's
+    own ``CheckpointManager.maybe_restore``. Returns ``(model, step, rules)``."""
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    from ckptbridge.errors import ConfigError
+    from ckptbridge.io.orbax import resolve_checkpoint, step_custom_metadata
+
+    item = resolve_checkpoint(lora_root, step)
+    meta = step_custom_metadata(os.path.dirname(item)).get("ckptbridge", {})
+    rules = rules or ((meta.get("lora") or {}).get("rules") if isinstance(meta, dict) else None)
+    if not rules:
+        raise ConfigError(f"{lora_root}: no LoRA rules recorded; pass rules=[{{module_path, rank, alpha}}]")
+    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=param_dtype)
+    model = apply_lora_rules(model, rules)
+    root = os.path.dirname(os.path.dirname(item))
+    manager = CheckpointManager(os.path.abspath(root))
+    try:
+        restored, _ = manager.maybe_restore(model, step=int(os.path.basename(os.path.dirname(item))),
+                                            restore_only_lora_params=True)
+    finally:
+        manager.close()
+    return model, restored, rules

@@ -61,6 +61,27 @@ def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
         return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
 
 
+def peft_logits(base_dir: str, adapter_dir: str, tokens: np.ndarray) -> np.ndarray:
+    """Logits of the HF base model with a PEFT adapter (float32, eager attention)."""
+    import torch
+    from peft import PeftModel
+    from transformers.utils import logging as hf_logging
+
+    from ckptbridge.config import read_config_file
+
+    hf_logging.disable_progress_bar()
+    cls = _hf_model_class(read_config_file(os.path.join(base_dir, "config.json")))
+    base = cls.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    """Relative L2 distance of ``a`` from the reference ``b``."""
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
+
+
 def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
     """Logits of a Tunix Gemma4 for ``tokens`` (B, T) with a causal mask (full forward, no cache)."""
     import jax.numpy as jnp

@@ -80,19 +80,51 @@ def _lazy_handler():
     return LazyArrayHandler()
 
 
-def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None = None) -> None:
-    """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``."""
+def _registry():
     ocp = _ocp()
     import jax
 
-    registry = ocp.type_handlers.create_type_handler_registry(
+    return ocp.type_handlers.create_type_handler_registry(
         (LazyArray, _lazy_handler()),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
         (jax.Array, ocp.type_handlers.ArrayHandler()),
     )
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, save_concurrent_gb=1)
-    with ocp.Checkpointer(handler) as ckptr:
+
+
+def _handler():
+    return _ocp().PyTreeCheckpointHandler(type_handler_registry=_registry(), save_concurrent_gb=1)
+
+
+def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None = None) -> None:
+    """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``."""
+    ocp = _ocp()
+    with ocp.Checkpointer(_handler()) as ckptr:
         ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
+
+
+def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_metadata: dict | None = None,
+                      item: str = "model_params") -> str:
+    """Write ``root/<step>/<item>`` the way ``tunix.sft.checkpoint_manager.CheckpointManager`` does
+    (an Orbax CheckpointManager with a PyTree item), with ``custom_metadata`` on the step."""
+    ocp = _ocp()
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(os.path.abspath(root), item_handlers={item: _handler()}, options=options) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}),
+                  custom_metadata=custom_metadata or {}, force=True)
+        mngr.wait_until_finished()
+    return os.path.join(root, str(step), item)
+
+
+def step_custom_metadata(step_dir: str) -> dict:
+    """Custom metadata of a checkpoint-manager step (``CheckpointManager.save(custom_metadata=...)``)."""
+    if not os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
+        return {}
+    ocp = _ocp()
+    try:
+        meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(os.path.abspath(step_dir))
+    except Exception:  # the step metadata file is JSON written by Orbax; damaged means none
+        return {}
+    return dict(getattr(meta, "custom_metadata", None) or {})
 
 
 def _looks_like_checkpoint(path: str) -> bool:
@@ -167,6 +199,8 @@ class OrbaxCheckpoint:
                 f"{path}: Orbax metadata cannot be read ({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged"
             ) from None
         self.custom_metadata: dict = dict(getattr(meta, "custom_metadata", None) or {})
+        if not self.custom_metadata:  # an item of a checkpoint-manager step: metadata sits on the step
+            self.custom_metadata = step_custom_metadata(os.path.dirname(path))
         self.leaves: dict[Path, tuple[tuple[int, ...], np.dtype]] = {}
         for p, v in _flatten(tree).items():
             shape = getattr(v, "shape", None)

@@ -158,6 +158,26 @@ class SafetensorsFile:
         self._read_into(i, out.reshape(-1).view(np.uint8))
         return out
 
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` (along the first axis) of tensor ``name``, read from disk."""
+        i = self.infos[name]
+        row_shape = i.shape[1:]
+        row_bytes = math.prod(row_shape) * DTYPES[i.dtype].itemsize
+        stop = min(stop, i.shape[0])
+        out = np.empty((max(stop - start, 0), *row_shape), DTYPES[i.dtype])
+        part = TensorInfo(name, i.dtype, out.shape, i.begin + start * row_bytes, i.begin + stop * row_bytes)
+        self._read_into(part, out.reshape(-1).view(np.uint8))
+        return out
+
+    def raw_chunks(self, name: str, chunk_bytes: int = 64 << 20):
+        """The stored bytes of tensor ``name`` in pieces of at most ``chunk_bytes``."""
+        i = self.infos[name]
+        for begin in range(i.begin, i.end, chunk_bytes):
+            end = min(begin + chunk_bytes, i.end)
+            buf = bytearray(end - begin)
+            self._read_into(TensorInfo(name, i.dtype, (), begin, end), memoryview(buf))
+            yield buf
+
     def raw(self, name: str) -> bytes:
         """The stored bytes of tensor ``name``."""
         i = self.infos[name]
@@ -191,7 +211,9 @@ class PlannedTensor:
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
-    produce: Callable[[], np.ndarray]
+    produce: Callable[[], np.ndarray] | None = None
+    # Alternative to produce: the tensor's bytes (buffers or arrays), in order, piece by piece.
+    chunks: Callable[[], Iterable] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +235,21 @@ def _header_bytes(entries: Iterable[PlannedTensor], metadata: Mapping[str, str])
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _checked(path: str, t: PlannedTensor, arr: np.ndarray) -> np.ndarray:
+    if tuple(arr.shape) != tuple(t.shape) or np.dtype(arr.dtype) != np.dtype(t.dtype):
+        raise MismatchError(
+            f"{path}: tensor {t.name!r} came out as {arr.dtype} {tuple(arr.shape)}, "
+            f"planned {np.dtype(t.dtype)} {tuple(t.shape)}"
+        )
+    return arr
+
+
+def _bytes_of(piece) -> memoryview:
+    if isinstance(piece, np.ndarray):
+        return np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data
+    return memoryview(piece).cast("B")
+
+
 def write_file(path: str, tensors: list[PlannedTensor], metadata: Mapping[str, str] | None = None,
                on_tensor: Callable[[PlannedTensor], None] | None = None) -> int:
     """Write one safetensors file tensor by tensor (the header is known up front). Returns bytes."""
@@ -220,14 +257,15 @@ def write_file(path: str, tensors: list[PlannedTensor], metadata: Mapping[str, s
     with open(path, "wb") as f:
         f.write(_header_bytes(tensors, metadata))
         for t in tensors:
-            arr = t.produce()
-            if tuple(arr.shape) != tuple(t.shape) or np.dtype(arr.dtype) != np.dtype(t.dtype):
-                raise MismatchError(
-                    f"{path}: tensor {t.name!r} came out as {arr.dtype} {tuple(arr.shape)}, "
-                    f"planned {np.dtype(t.dtype)} {tuple(t.shape)}"
-                )
-            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-            del arr
+            pieces = t.chunks() if t.chunks is not None else [_checked(path, t, t.produce())]
+            written = 0
+            for piece in pieces:
+                data = _bytes_of(piece)
+                f.write(data)
+                written += data.nbytes
+            del pieces
+            if written != t.nbytes:
+                raise MismatchError(f"{path}: tensor {t.name!r} came out as {written} bytes, planned {t.nbytes}")
             if on_tensor is not None:
                 on_tensor(t)
         f.flush()

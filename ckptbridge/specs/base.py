@@ -27,7 +27,9 @@ class TensorRule:
       scope: ``"model"`` (one tensor) or ``"layer"`` (one per decoder layer).
       when: for layer tensors, the layer flag that must be true for the tensor to exist
         (``None``: every layer).
-      lora: qwix/PEFT name of the module when the tensor can carry a LoRA adapter.
+      lora: qwix name of the module when the tensor can carry a LoRA adapter.
+      vllm_lora_aliases: HF key suffixes that must also receive this module's LoRA factors in an
+        adapter exported for vLLM (a module whose output vLLM computes from a separate projection).
     """
 
     name: str
@@ -38,6 +40,7 @@ class TensorRule:
     scope: str = "layer"
     when: str | None = None
     lora: str | None = None
+    vllm_lora_aliases: tuple[str, ...] = ()
 
     def applies(self, flags: Mapping[str, bool]) -> bool:
         return self.when is None or bool(flags[self.when])

@@ -20,8 +20,10 @@ RULES: tuple[TensorRule, ...] = (
     R("q", ("self_attn.q_proj.weight",), "(n h) d", "attn.q_einsum.w", "n d h", lora="q_einsum"),
     R("kv", ("self_attn.k_proj.weight", "self_attn.v_proj.weight"), "(k h) d",
       "attn.kv_einsum.w", "c k d h", when="kv_fused", lora="kv_einsum"),
+    # On k_eq_v layers V is the raw K projection; vLLM computes V with its own LoRA slot, so a
+    # vLLM-bound adapter repeats the k_proj factors as v_proj.
     R("k", ("self_attn.k_proj.weight",), "(k h) d", "attn.k_einsum.w", "k d h",
-      when="k_eq_v", lora="k_einsum"),
+      when="k_eq_v", lora="k_einsum", vllm_lora_aliases=("self_attn.v_proj.weight",)),
     R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d",
       lora="attn_vec_einsum"),
     R("q_norm", ("self_attn.q_norm.weight",), "h", "attn._query_norm.scale", "h"),

@@ -1,0 +1,522 @@
+"""LoRA adapters in both worlds, derived from the same spec table as the weights.
+
+Layouts. An HF linear weight is ``(out, in)``; PEFT stores ``lora_A (r, in)`` and
+``lora_B (out, r)``. qwix puts the weight's input-side axes (in Tunix order) plus ``r`` into A,
+and ``r`` plus the output-side axes into B. A rule's HF layout names its output group first and
+its input group second (``"(n h) d"``: out ``n h``, in ``d``), so all four factor layouts follow
+from the rule: for ``q`` (Tunix ``n d h``) A is ``d r`` / ``r d`` and B is ``r n h`` / ``(n h) r``;
+for the fused ``kv`` the Tunix B keeps the ``c`` axis (``r c k h``) and one A serves K and V.
+
+Scale. qwix computes ``y + (alpha / rank) * x A B``; PEFT ``lora_alpha / r`` (rsLoRA:
+``lora_alpha / sqrt(r)``). Conversions keep the scale of every module exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+from collections import Counter
+from typing import Iterable
+
+import numpy as np
+
+from ckptbridge import layout, mapping
+from ckptbridge.config import ModelConfig, parse_config, read_config_file
+from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.io.hf import HFModelDir
+from ckptbridge.io.safetensors import SafetensorsFile
+from ckptbridge.specs import FamilySpec, get_family
+
+log = logging.getLogger(__name__)
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+VLLM_DEFAULT_MAX_LORA_RANK = 16
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def is_lora_leaf(path: tuple[str, ...]) -> bool:
+    """Whether an Orbax leaf path is a qwix LoRA factor (``.../w_lora_a`` or ``.../w_lora_a/value``)."""
+    names = path[-2:] if path and path[-1] == "value" else path[-1:]
+    return bool(names) and names[0].endswith(("_lora_a", "_lora_b"))
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLayouts:
+    a_tunix: str
+    b_tunix: str
+    a_peft: str
+    b_peft: str  # of each HF tensor
+    b_peft_stacked: str  # of the HF tensors stacked along c (fused rules), else b_peft
+
+
+def lora_layouts(rule) -> LoraLayouts:
+    """The four factor layouts of a rule, derived from its weight layouts."""
+    groups = layout.parse(rule.hf_layout)
+    if len(groups) != 2:
+        raise ValueError(f"rule {rule.name}: LoRA needs a 2-D HF weight, layout is {rule.hf_layout!r}")
+    out_axes, in_axes = groups
+    t_axes = layout.axes(rule.tunix_layout)
+    a_tunix = " ".join([a for a in t_axes if a in in_axes] + ["r"])
+    b_tunix = " ".join(["r"] + [a for a in t_axes if a not in in_axes])
+    a_peft = f"r ({' '.join(in_axes)})"
+    b_peft = f"({' '.join(out_axes)}) r"
+    return LoraLayouts(a_tunix, b_tunix, a_peft, b_peft, f"c {b_peft}" if rule.fused else b_peft)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoraModule:
+    """One module that can carry LoRA: its Tunix parameter entry and its HF/PEFT module names."""
+
+    entry: mapping.Entry
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LoraModule) and other.entry.tunix_path == self.entry.tunix_path
+
+    def __hash__(self) -> int:
+        return hash(self.entry.tunix_path)
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return self.entry.tunix_path[:-1]
+
+    @property
+    def qwix_path(self) -> str:
+        """The module path qwix matches rules against (``layers/5/attn/k_einsum``)."""
+        return "/".join(self.path)
+
+    @property
+    def leaves(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        param = self.entry.tunix_path[-1]
+        return self.path + (f"{param}_lora_a",), self.path + (f"{param}_lora_b",)
+
+    @property
+    def hf_modules(self) -> tuple[str, ...]:
+        return tuple(k[: -len(".weight")] if k.endswith(".weight") else k for k in self.entry.hf_keys)
+
+    @property
+    def vllm_aliases(self) -> tuple[str, ...]:
+        """HF modules that repeat this module's factors in an adapter exported for vLLM."""
+        return tuple(self.entry.key_prefix + k.removesuffix(".weight") for k in self.entry.rule.vllm_lora_aliases)
+
+    @property
+    def layouts(self) -> LoraLayouts:
+        return lora_layouts(self.entry.rule)
+
+    def sizes(self, rank: int) -> dict:
+        return {**self.entry.sizes, "r": rank}
+
+    def shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        s, L = self.sizes(rank), self.layouts
+        return {name: layout.shape(getattr(L, name), s) for name in ("a_tunix", "b_tunix", "a_peft", "b_peft")}
+
+
+def lora_modules(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[LoraModule]:
+    return [LoraModule(e) for e in mapping.entries(cfg, spec, prefix) if e.rule.lora]
+
+
+def tunix_to_peft(mod: LoraModule, a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """qwix factors of one module -> PEFT ``(lora_A, lora_B)`` per HF module (A shared by k and v)."""
+    rank = a.shape[-1]
+    s, L = mod.sizes(rank), mod.layouts
+    a_p = layout.rearrange(a, L.a_tunix, L.a_peft, s)
+    b_p = layout.rearrange(b, L.b_tunix, L.b_peft_stacked, s)
+    if mod.entry.rule.fused:
+        return [(a_p, b_p[i]) for i in range(len(mod.hf_modules))]
+    return [(a_p, b_p)]
+
+
+def peft_to_tunix(mod: LoraModule, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT factors (one pair per HF module, sharing A) -> qwix ``(A, B)`` of one module."""
+    a_p = pairs[0][0]
+    rank = a_p.shape[0]
+    s, L = mod.sizes(rank), mod.layouts
+    a = layout.rearrange(a_p, L.a_peft, L.a_tunix, s)
+    b_p = np.stack([p[1] for p in pairs]) if mod.entry.rule.fused else pairs[0][1]
+    return a, layout.rearrange(b_p, L.b_peft_stacked, L.b_tunix, s)
+
+
+# --------------------------------------------------------------------------- scale bookkeeping
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    rank: int
+    alpha: float
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def _num(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def rules_for(assigned: dict[LoraModule, Scaling], all_modules: list[LoraModule]) -> list[dict]:
+    """qwix rules (``module_path`` regex, rank, alpha) that give every module in ``assigned`` its
+    rank and alpha and match no other module. Each regex names exactly its modules, so order
+    does not matter; a module name present in every layer it exists in becomes ``\\d+``."""
+    layers_of: dict[tuple[str, str], set[str]] = {}
+    for m in all_modules:
+        layers_of.setdefault((m.path[-2], m.path[-1]), set()).add(m.path[1])
+    groups: dict[tuple, list[LoraModule]] = {}
+    for m, sc in assigned.items():
+        qwix_alpha = sc.scale * sc.rank  # qwix scale is alpha / rank
+        groups.setdefault((sc.rank, _num(round(qwix_alpha, 12))), []).append(m)
+    rules = []
+    for (rank, alpha), mods in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        by_name: dict[tuple[str, str], set[str]] = {}
+        for m in mods:
+            by_name.setdefault((m.path[-2], m.path[-1]), set()).add(m.path[1])
+        full: dict[str, list[str]] = {}
+        parts = []
+        for (parent, name), layers in sorted(by_name.items()):
+            if layers == layers_of[(parent, name)]:
+                full.setdefault(parent, []).append(name)
+            else:
+                idx = "|".join(sorted(layers, key=int))
+                parts.append(f"layers/(?:{idx})/{parent}/{name}")
+        for parent, names in sorted(full.items()):
+            parts.insert(0, f"layers/\\d+/{parent}/(?:{'|'.join(names)})")
+        rules.append({"module_path": "|".join(parts) if len(parts) == 1 else "|".join(f"(?:{p})" for p in parts),
+                      "rank": rank, "alpha": alpha})
+    return rules
+
+
+def scaling_from_rules(mod: LoraModule, rules: list[dict], where: str) -> Scaling | None:
+    """The (rank, alpha) qwix gives ``mod`` under ``rules`` (first full match wins), or None."""
+    for rule in rules:
+        try:
+            if re.fullmatch(rule["module_path"], mod.qwix_path):
+                return Scaling(int(rule["rank"]), float(rule["alpha"]))
+        except (KeyError, TypeError, ValueError, re.error):
+            raise CorruptFileError(f"{where}: LoRA rule {rule!r} is malformed (needs module_path, rank, alpha)") from None
+    return None
+
+
+# --------------------------------------------------------------------------- base model
+
+
+@dataclasses.dataclass
+class Base:
+    """The HF base model an adapter belongs to: config, family, key prefix (no weights read)."""
+
+    path: str
+    cfg: ModelConfig
+    spec: FamilySpec
+    prefix: str
+    modules: list[LoraModule]
+
+    def by_hf_module(self) -> dict[str, tuple[LoraModule, int]]:
+        return {name: (m, i) for m in self.modules for i, name in enumerate(m.hf_modules)}
+
+    def by_leaf(self) -> dict[tuple[str, ...], tuple[LoraModule, int]]:
+        return {leaf: (m, i) for m in self.modules for i, leaf in enumerate(m.leaves)}
+
+
+def open_base(path: str) -> Base:
+    """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
+    if not os.path.isdir(path):
+        raise InputNotFoundError(f"{path}: --base must be the HF base model directory (with config.json)")
+    config_path = os.path.join(path, "config.json")
+    cfg = parse_config(read_config_file(config_path), config_path)
+    spec = get_family(cfg.family)
+    prefix = cfg.default_key_prefix
+    has_weights = any(n.endswith(".safetensors") for n in os.listdir(path))
+    if has_weights:
+        from ckptbridge.convert import open_hf_source
+
+        with open_hf_source(path, skip_multimodal=True) as source:
+            prefix = source.prefix
+    return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, prefix))
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass
+class OrbaxLora:
+    """A Tunix/qwix LoRA checkpoint, validated against the base."""
+
+    path: str
+    ckpt: object  # OrbaxCheckpoint
+    base: Base
+    suffix: tuple[str, ...]
+    scaling: dict[LoraModule, Scaling]
+    metadata: dict
+
+    def factors(self, mod: LoraModule) -> tuple[np.ndarray, np.ndarray]:
+        a, b = (leaf + self.suffix for leaf in mod.leaves)
+        got = self.ckpt.read([a, b])
+        return got[a], got[b]
+
+    def dtype(self, mod: LoraModule) -> np.dtype:
+        return self.ckpt.leaves[mod.leaves[0] + self.suffix][1]
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> OrbaxLora:
+    from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
+
+    path = resolve_checkpoint(src, step)
+    ckpt = OrbaxCheckpoint(path)
+    try:
+        return _validate_orbax_lora(path, ckpt, base, alpha)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> OrbaxLora:
+    meta = ckpt.ckptbridge_metadata
+    leaves = dict(ckpt.leaves)
+    if not any(is_lora_leaf(p) for p in leaves):
+        raise UnsupportedError(f"{path}: has no LoRA parameters (*_lora_a/*_lora_b); for full weights use orbax-to-safetensors")
+    if meta.get("family") not in (None, base.spec.name):
+        raise MismatchError(f"{path}: LoRA of family {meta['family']!r}, but the base {base.path} is {base.spec.name!r}")
+    suffix = ("value",) if leaves and all(p[-1] == "value" for p in leaves) else ()
+    by_leaf = base.by_leaf()
+    present: dict[LoraModule, list] = {}
+    for p in sorted(leaves):
+        key = p[: len(p) - len(suffix)]
+        if key not in by_leaf:
+            raise MismatchError(
+                f"{path}: leaf {'/'.join(p)} is not a LoRA factor of any {base.spec.name} module of the base "
+                f"{base.path}; the adapter belongs to another model"
+            )
+        mod, i = by_leaf[key]
+        present.setdefault(mod, [None, None])[i] = leaves[p]
+    rules = (meta.get("lora") or {}).get("rules") if isinstance(meta.get("lora"), dict) else None
+    scaling: dict[LoraModule, Scaling] = {}
+    for mod, (a, b) in present.items():
+        name = "/".join(mod.path)
+        if a is None or b is None:
+            raise MismatchError(f"{path}: {name} has only one of its LoRA factors (A and B are both needed)")
+        rank = a[0][-1] if a[0] else 0
+        shapes = mod.shapes(rank)
+        if rank < 1 or a[0] != shapes["a_tunix"] or b[0] != shapes["b_tunix"]:
+            raise MismatchError(
+                f"{path}: {name} LoRA shapes A {a[0]} / B {b[0]} do not fit the base {base.path} "
+                f"(expected A {shapes['a_tunix']}, B {shapes['b_tunix']} at rank {rank}); wrong --base?"
+            )
+        if alpha is not None:
+            scaling[mod] = Scaling(rank, float(alpha))
+            continue
+        sc = scaling_from_rules(mod, rules, path) if rules else None
+        if sc is None:
+            raise ConfigError(
+                f"{path}: no LoRA alpha recorded for {name}; pass --alpha (the alpha used in training; "
+                f"the scale is alpha / rank, rank here {rank})"
+            )
+        if sc.rank != rank:
+            raise MismatchError(f"{path}: metadata gives {name} rank {sc.rank}, its tensors have rank {rank}")
+        scaling[mod] = sc
+    ordered = {m: scaling[m] for m in base.modules if m in scaling}
+    return OrbaxLora(path, ckpt, base, suffix, ordered, meta)
+
+
+@dataclasses.dataclass
+class PeftLora:
+    """A PEFT LoRA adapter directory, validated against the base."""
+
+    path: str
+    file: SafetensorsFile
+    base: Base
+    config: dict
+    keys: dict[str, tuple[str, str]]  # HF module -> (lora_A key, lora_B key)
+    scaling: dict[str, Scaling]  # HF module -> scaling
+    vllm_repeats: int = 0  # v_proj copies of k_proj factors (vLLM export) that were dropped
+
+    def pair(self, hf_module: str) -> tuple[np.ndarray, np.ndarray]:
+        ka, kb = self.keys[hf_module]
+        return self.file.array(ka), self.file.array(kb)
+
+    def dtype(self, hf_module: str) -> np.dtype:
+        from ckptbridge.io.safetensors import numpy_dtype
+
+        return numpy_dtype(self.file.info(self.keys[hf_module][0]).dtype)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern/alpha_pattern lookup: first key matching the end of the module name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_adapter_config(path: str) -> dict:
+    cfg_path = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise InputNotFoundError(f"{path}: no {ADAPTER_CONFIG}; not a PEFT adapter directory")
+    try:
+        with open(cfg_path, "rb") as f:
+            cfg = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CorruptFileError(f"{cfg_path}: not valid JSON; restore the adapter's config") from None
+    if not isinstance(cfg, dict):
+        raise CorruptFileError(f"{cfg_path}: expected a JSON object")
+    return cfg
+
+
+def open_peft_lora(src: str, base: Base) -> PeftLora:
+    cfg = read_adapter_config(src)
+    where = os.path.join(src, ADAPTER_CONFIG)
+    if cfg.get("peft_type") != "LORA":
+        raise UnsupportedError(f"{where}: peft_type {cfg.get('peft_type')!r}; only LORA adapters are supported")
+    if cfg.get("use_dora"):
+        raise UnsupportedError(f"{where}: DoRA (use_dora) has no qwix/Tunix equivalent; train a plain LoRA adapter")
+    if cfg.get("modules_to_save"):
+        raise UnsupportedError(
+            f"{where}: modules_to_save {cfg['modules_to_save']} trains whole modules, which a LoRA checkpoint "
+            "cannot carry; merge the adapter instead or retrain without modules_to_save"
+        )
+    if cfg.get("lora_bias") or cfg.get("bias") not in (None, "none"):
+        raise UnsupportedError(f"{where}: LoRA biases (bias / lora_bias) are not supported")
+    if cfg.get("layer_replication") or cfg.get("trainable_token_indices"):
+        raise UnsupportedError(f"{where}: layer_replication / trainable_token_indices are not supported")
+    for field in ("r", "lora_alpha"):
+        v = cfg.get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise CorruptFileError(f"{where}: {field} must be a positive number, found {v!r}")
+    weights = os.path.join(src, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        if os.path.isfile(os.path.join(src, "adapter_model.bin")):
+            raise UnsupportedError(
+                f"{os.path.join(src, 'adapter_model.bin')}: pickle adapters are never loaded; re-save with "
+                "save_pretrained(..., safe_serialization=True)"
+            )
+        raise InputNotFoundError(f"{src}: no {ADAPTER_WEIGHTS}")
+    f = SafetensorsFile(weights)
+    try:
+        return _validate_peft(src, f, base, cfg)
+    except BaseException:
+        f.close()
+        raise
+
+
+_PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+
+def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftLora:
+    weights = f.path
+    known = base.by_hf_module()
+    # modules of the adapter may use either key prefix of the family; map them onto the base's
+    aliases = {}
+    for name in known:
+        for p in base.spec.key_prefixes:
+            if name.startswith(base.prefix):
+                aliases[p + name[len(base.prefix):]] = name
+    alias_of = {alias: m.hf_modules[0] for m in base.modules for alias in m.vllm_aliases}
+    for alias in list(alias_of):
+        for p in base.spec.key_prefixes:
+            aliases.setdefault(p + alias[len(base.prefix):], alias)
+    keys: dict[str, list] = {}
+    for key in f.keys():
+        m = _PEFT_KEY.match(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else "")
+        if not m or m.group("adapter") not in (None, "default"):
+            raise MismatchError(
+                f"{weights}: tensor {key!r} is not a PEFT LoRA factor "
+                f"({PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)"
+            )
+        module = aliases.get(m.group("module"))
+        if module is None or (module not in known and module not in alias_of):
+            raise MismatchError(
+                f"{weights}: tensor {key!r} targets {m.group('module')!r}, which is not a LoRA-able module of the "
+                f"{base.spec.name} base {base.path}; the adapter belongs to another model"
+            )
+        keys.setdefault(module, [None, None])["AB".index(m.group("ab"))] = key
+    if not keys:
+        raise MismatchError(f"{weights}: no LoRA tensors")
+    # A vLLM export repeats k_proj's factors as v_proj on k_eq_v layers: drop those repeats.
+    vllm_repeats = 0
+    for alias, canonical in alias_of.items():
+        if alias not in keys:
+            continue
+        pair = keys.pop(alias)
+        same = canonical in keys and all(
+            None not in (x, y) and f.info(x).shape == f.info(y).shape and f.raw(x) == f.raw(y)
+            for x, y in zip(pair, keys[canonical])
+        )
+        if not same:
+            raise MismatchError(
+                f"{weights}: {alias} has LoRA factors but the base layer has no v_proj (k_eq_v) and they are not "
+                f"a copy of {canonical}'s (as in a vLLM export); the adapter does not fit the base {base.path}"
+            )
+        vllm_repeats += 1
+    r, alpha = cfg["r"], cfg["lora_alpha"]
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    scaling: dict[str, Scaling] = {}
+    for module, (ka, kb) in keys.items():
+        if ka is None or kb is None:
+            raise MismatchError(f"{weights}: {module} has only one of lora_A / lora_B")
+        mod, _ = known[module]
+        ia, ib = f.info(ka), f.info(kb)
+        rank = ia.shape[0] if ia.shape else 0
+        want = mod.shapes(rank)
+        want_a, want_b = want["a_peft"], want["b_peft"]
+        if rank < 1 or ia.shape != want_a or ib.shape != want_b:
+            raise MismatchError(
+                f"{weights}: {module} lora_A {ia.shape} / lora_B {ib.shape} do not fit the base {base.path} "
+                f"(expected {want_a} / {want_b} at rank {rank}); wrong --base?"
+            )
+        if ia.dtype != ib.dtype:
+            raise MismatchError(f"{weights}: {module} lora_A and lora_B differ in dtype")
+        r_m = _pattern_value(rank_pattern, module, r)
+        if int(r_m) != rank:
+            raise MismatchError(
+                f"{weights}: {module} has rank {rank} but {ADAPTER_CONFIG} gives it r={r_m}; the config and weights disagree"
+            )
+        scaling[module] = Scaling(rank, float(_pattern_value(alpha_pattern, module, alpha)), bool(cfg.get("use_rslora")))
+    ordered = {name: tuple(keys[name]) for name in known if name in keys}
+    return PeftLora(src, f, base, cfg, ordered, {k: scaling[k] for k in ordered}, vllm_repeats)
+
+
+def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None):
+    """A PEFT adapter directory or a Tunix/qwix Orbax LoRA checkpoint."""
+    if not os.path.exists(src):
+        raise InputNotFoundError(f"{src}: no such adapter directory")
+    if os.path.isfile(os.path.join(src, ADAPTER_CONFIG)):
+        if alpha is not None or step is not None:
+            raise ConfigError(f"{src}: --alpha/--step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
+        return open_peft_lora(src, base)
+    return open_orbax_lora(src, base, step=step, alpha=alpha)
+
+
+def hf_deltas(adapter) -> Iterable[tuple[str, float, tuple[np.ndarray, np.ndarray]]]:
+    """(HF module, scale, (lora_A, lora_B)) for every module of an adapter of either kind, in PEFT
+    layout; for an Orbax checkpoint each module is read and converted when reached."""
+    if isinstance(adapter, PeftLora):
+        for module in adapter.keys:
+            yield module, adapter.scaling[module].scale, adapter.pair(module)
+    else:
+        for mod, sc in adapter.scaling.items():
+            for name, pair in zip(mod.hf_modules, tunix_to_peft(mod, *adapter.factors(mod))):
+                yield name, sc.scale, pair
