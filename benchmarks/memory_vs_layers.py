@@ -1,7 +1,8 @@
-"""Peak resident memory of a conversion vs the number of layers (same width).
+"""Peak resident memory of conversions and merge vs the number of layers (same width).
 
-Builds two bf16 Gemma 4 checkpoints of the same width with 4 and 16 layers, converts each
-HF -> Orbax -> HF in a fresh process, and prints peak RSS (and the RSS of a process that only
+Builds two bf16 Gemma 4 checkpoints of the same width with 4 and 16 layers (and a rank-16
+adapter on every LoRA-able module of each), converts each HF -> Orbax -> HF and merges the
+adapter, each in a fresh process, and prints peak RSS (and the RSS of a process that only
 imports the same modules) next to the checkpoint size. Streaming means the peak should stay
 flat while the checkpoint grows 4x.
 
@@ -22,6 +23,7 @@ import time
 DRIVER = r"""
 import json, resource, sys, time
 from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge.merge import merge_lora
 import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
 what, src, dst = sys.argv[1:4]
 t = time.perf_counter()
@@ -29,13 +31,16 @@ if what == "s2o":
     convert_safetensors_to_orbax(src, dst, progress=False)
 elif what == "o2s":
     convert_orbax_to_safetensors(src, dst, progress=False)
+elif what == "merge":
+    merge_lora(src, sys.argv[4], dst, progress=False)
 print(json.dumps({"seconds": time.perf_counter() - t,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def measure(what: str, src: str, dst: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", DRIVER, what, src, dst], check=True, capture_output=True, text=True)
+def measure(what: str, src: str, dst: str, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", DRIVER, what, src, dst, *extra], check=True, capture_output=True,
+                         text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -49,7 +54,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024, help="hidden size D (MLP 4 D, 8 heads)")
     ap.add_argument("--out", help="write results JSON here")
     args = ap.parse_args()
-    from ckptbridge.testing import write_random_checkpoint
+    from ckptbridge.testing import write_random_adapter, write_random_checkpoint
 
     d = args.width
     dims = dict(vocab_size=8 * d, hidden_size=d, intermediate_size=4 * d, num_attention_heads=8,
@@ -68,25 +73,32 @@ def main() -> None:
             cp_s = time.perf_counter() - t
             s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"))
             o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"))
+            adapter = write_random_adapter(hf, os.path.join(tmp, f"adapter{n}"), r=16)
+            merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), adapter)
             rows.append({"layers": n, "checkpoint_mb": size / 2**20, "cp_s": cp_s,
                          "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
-                         "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"]})
-            shutil.rmtree(os.path.join(tmp, f"orbax{n}"))
-            shutil.rmtree(os.path.join(tmp, f"back{n}"))
+                         "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"],
+                         "merge_s": merge["seconds"], "merge_peak_rss_mb": merge["peak_rss_mb"]})
+            for name in (f"orbax{n}", f"back{n}", f"adapter{n}", f"merged{n}"):
+                shutil.rmtree(os.path.join(tmp, name))
             shutil.rmtree(hf + ".cp")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"width D={d}, bf16; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
-    print(f"{'layers':>6} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} {'o2s peak MB':>12}")
+    print(f"{'layers':>6} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} "
+          f"{'o2s peak MB':>12} {'merge s':>8} {'merge peak MB':>14}")
     for r in rows:
         print(f"{r['layers']:>6} {r['checkpoint_mb']:>8.0f} {r['cp_s']:>6.2f} {r['s2o_s']:>6.2f} "
-              f"{r['s2o_peak_rss_mb']:>12.0f} {r['o2s_s']:>6.2f} {r['o2s_peak_rss_mb']:>12.0f}")
+              f"{r['s2o_peak_rss_mb']:>12.0f} {r['o2s_s']:>6.2f} {r['o2s_peak_rss_mb']:>12.0f} "
+              f"{r['merge_s']:>8.2f} {r['merge_peak_rss_mb']:>14.0f}")
     first, last = rows[0], rows[-1]
-    ratio = {k: last[k] / first[k] for k in ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb")}
+    keys = ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb", "merge_peak_rss_mb")
+    ratio = {k: last[k] / first[k] for k in keys}
     print(f"ratio {last['layers']} vs {first['layers']} layers: checkpoint {ratio['checkpoint_mb']:.2f}x, "
-          f"s2o peak RSS {ratio['s2o_peak_rss_mb']:.2f}x, o2s peak RSS {ratio['o2s_peak_rss_mb']:.2f}x")
+          f"s2o peak RSS {ratio['s2o_peak_rss_mb']:.2f}x, o2s peak RSS {ratio['o2s_peak_rss_mb']:.2f}x, "
+          f"merge peak RSS {ratio['merge_peak_rss_mb']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"width": d, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)

