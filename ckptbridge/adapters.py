@@ -52,7 +52,7 @@ def _adapter_config(base: lora.Base, names: list[str], r: int, alpha: float, ran
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": os.path.abspath(base.path),
         "r": r,
-        "lora_alpha": lora._num(alpha),
+        "lora_alpha": lora.plain_number(alpha),
         "target_modules": _target_modules_regex(names, base),
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
@@ -114,7 +114,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                 if sc.rank != r:
                     rank_pattern[re.escape(name)] = sc.rank
                 if sc.alpha != alpha_default:
-                    alpha_pattern[re.escape(name)] = lora._num(sc.alpha)
+                    alpha_pattern[re.escape(name)] = lora.plain_number(sc.alpha)
         if target == "vllm" and max_rank > lora.VLLM_DEFAULT_MAX_LORA_RANK:
             warnings.append(
                 f"rank {max_rank} exceeds vLLM's default --max-lora-rank {lora.VLLM_DEFAULT_MAX_LORA_RANK}: "
@@ -147,7 +147,8 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
             tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_B.weight", dtype, shapes["b_peft"],
                                          lambda mod=mod, i=i, sc=sc: pair(mod, i, sc)[1]))
         names = [name for name, _, _, _ in plan]
-        dropout = float((ad.metadata.get("lora") or {}).get("dropout", 0.0)) if isinstance(ad.metadata.get("lora"), dict) else 0.0
+        lora_meta = ad.metadata.get("lora") if isinstance(ad.metadata.get("lora"), dict) else {}
+        dropout = float(lora_meta.get("dropout", 0.0))
         config = _adapter_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout)
         meta = {"ckptbridge": json.dumps({
             "format_version": orbax_io.FORMAT_VERSION, "family": b.spec.name, "target": target,
@@ -173,7 +174,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
             "tensors": len(tensors),
             "bytes": total,
             "r": r,
-            "lora_alpha": lora._num(alpha_default),
+            "lora_alpha": lora.plain_number(alpha_default),
             "rank_pattern": rank_pattern,
             "alpha_pattern": alpha_pattern,
             "warnings": warnings,

@@ -8,7 +8,6 @@ destination and rename it into place at the end.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -21,8 +20,8 @@ from ckptbridge.config import ModelConfig, parse_config, read_config_file
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
-from ckptbridge.io.hf import HFModelDir, copy_assets, is_weight_file
-from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size, write_sharded
+from ckptbridge.io.hf import HFModelDir, copy_assets, write_model_directory
+from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size
 from ckptbridge.progress import Progress
 from ckptbridge.specs import FamilySpec, get_family
 
@@ -321,23 +320,12 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             for e in source.entries
             for i, key in enumerate(e.hf_keys)
         ]
-        total = sum(t.nbytes for t in planned)
-        bar = Progress(total, "orbax -> safetensors", enabled=progress)
-        with atomic_directory(dst, overwrite) as tmp:
-            os.makedirs(tmp)
-            files = write_sharded(tmp, planned, shard_bytes, on_tensor=lambda t: bar.update(t.nbytes))
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(source.cfg.hf_config, f, indent=2)
-                f.write("\n")
-            assets_dir = os.path.join(source.ckpt.path, ASSETS_DIR)
-            if os.path.isdir(assets_dir):
-                copy_assets(sorted(os.listdir(assets_dir)), assets_dir, tmp)
-            elif source.config_dir:
-                names = [n for n in sorted(os.listdir(source.config_dir))
-                         if n != "config.json" and not n.startswith(".") and not is_weight_file(n)
-                         and os.path.isfile(os.path.join(source.config_dir, n))]
-                copy_assets(names, source.config_dir, tmp)
-        bar.close()
+        stored_assets = os.path.join(source.ckpt.path, ASSETS_DIR)
+        files = write_model_directory(
+            dst, planned, source.cfg.hf_config, shard_bytes,
+            assets_from=stored_assets if os.path.isdir(stored_assets) else source.config_dir,
+            overwrite=overwrite, desc="orbax -> safetensors", progress=progress,
+        )
         return {
             "direction": "orbax-to-safetensors",
             "source": src,
@@ -346,7 +334,7 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             "key_prefix": source.prefix,
             "layer_kinds": source.cfg.layer_kinds(),
             "tensors": len(planned),
-            "bytes": total,
+            "bytes": sum(t.nbytes for t in planned),
             "files": files,
             "seconds": round(time.perf_counter() - t0, 3),
         }

@@ -156,7 +156,8 @@ class Scaling:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-def _num(x: float) -> float | int:
+def plain_number(x: float) -> float | int:
+    """12.0 -> 12, 0.5 -> 0.5: how a rank or alpha is written to JSON."""
     return int(x) if float(x).is_integer() else float(x)
 
 
@@ -170,7 +171,7 @@ def rules_for(assigned: dict[LoraModule, Scaling], all_modules: list[LoraModule]
     groups: dict[tuple, list[LoraModule]] = {}
     for m, sc in assigned.items():
         qwix_alpha = sc.scale * sc.rank  # qwix scale is alpha / rank
-        groups.setdefault((sc.rank, _num(round(qwix_alpha, 12))), []).append(m)
+        groups.setdefault((sc.rank, plain_number(round(qwix_alpha, 12))), []).append(m)
     rules = []
     for (rank, alpha), mods in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         by_name: dict[tuple[str, str], set[str]] = {}

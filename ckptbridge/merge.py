@@ -8,8 +8,6 @@ LoRA factors, whatever the model size.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
@@ -17,10 +15,9 @@ import numpy as np
 from ckptbridge import lora
 from ckptbridge.convert import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.errors import ConfigError, MismatchError
-from ckptbridge.io.atomic import atomic_directory, check_destination
-from ckptbridge.io.hf import HFModelDir, copy_assets
-from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size, write_sharded
-from ckptbridge.progress import Progress
+from ckptbridge.io.atomic import check_destination
+from ckptbridge.io.hf import HFModelDir, write_model_directory
+from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of one block of merged rows
 
@@ -69,16 +66,8 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
             else:
                 chunks = lambda key=key: model.file_of(key).raw_chunks(key)  # noqa: E731
             planned.append(PlannedTensor(key, dtype, info.shape, chunks=chunks))
-        total = sum(t.nbytes for t in planned)
-        bar = Progress(total, "merge", enabled=progress)
-        with atomic_directory(dst, overwrite) as tmp:
-            os.makedirs(tmp)
-            files = write_sharded(tmp, planned, shard_bytes, on_tensor=lambda t: bar.update(t.nbytes))
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(model.config, f, indent=2)
-                f.write("\n")
-            copy_assets(model.asset_files(), base, tmp)
-        bar.close()
+        files = write_model_directory(dst, planned, model.config, shard_bytes, assets_from=base,
+                                      overwrite=overwrite, desc="merge", progress=progress)
         return {
             "direction": "merge",
             "base": base,
@@ -87,7 +76,7 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
             "family": b.spec.name,
             "merged_tensors": len(deltas),
             "copied_tensors": len(planned) - len(deltas),
-            "bytes": total,
+            "bytes": sum(t.nbytes for t in planned),
             "files": files,
             "seconds": round(time.perf_counter() - t0, 3),
         }

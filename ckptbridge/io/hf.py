@@ -132,14 +132,7 @@ class HFModelDir:
 
     def asset_files(self) -> list[str]:
         """Top-level non-weight files other than config.json (tokenizer, chat template, ...)."""
-        out = []
-        for name in sorted(os.listdir(self.path)):
-            full = os.path.join(self.path, name)
-            if name.startswith(".") or name == "config.json" or is_weight_file(name):
-                continue
-            if os.path.isfile(full) and not os.path.islink(full):
-                out.append(name)
-        return out
+        return non_weight_files(self.path)
 
     def close(self) -> None:
         for f in self.files.values():
@@ -156,3 +149,32 @@ def copy_assets(names: list[str], src_dir: str, dst_dir: str) -> None:
     os.makedirs(dst_dir, exist_ok=True)
     for name in names:
         shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+
+
+def non_weight_files(directory: str) -> list[str]:
+    """Top-level regular files of ``directory`` that are neither weights nor config.json."""
+    return [n for n in sorted(os.listdir(directory))
+            if n != "config.json" and not n.startswith(".") and not is_weight_file(n)
+            and os.path.isfile(os.path.join(directory, n)) and not os.path.islink(os.path.join(directory, n))]
+
+
+def write_model_directory(dst: str, tensors: list, hf_config: dict, max_shard_bytes: int, *,
+                          assets_from: str | None = None, overwrite: bool = False, desc: str = "write",
+                          progress: bool | None = None) -> list[str]:
+    """Write an HF model directory atomically: sharded safetensors (+ index), config.json and the
+    non-weight files of ``assets_from``. ``tensors`` are PlannedTensors. Returns the weight files."""
+    from ckptbridge.io.atomic import atomic_directory
+    from ckptbridge.io.safetensors import write_sharded
+    from ckptbridge.progress import Progress
+
+    bar = Progress(sum(t.nbytes for t in tensors), desc, enabled=progress)
+    with atomic_directory(dst, overwrite) as tmp:
+        os.makedirs(tmp)
+        files = write_sharded(tmp, tensors, max_shard_bytes, on_tensor=lambda t: bar.update(t.nbytes))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+            f.write("\n")
+        if assets_from:
+            copy_assets(non_weight_files(assets_from), assets_from, tmp)
+    bar.close()
+    return files
