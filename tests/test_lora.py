@@ -118,7 +118,11 @@ def test_vllm_rank_warning(plain_tunix_lora, tmp_path):
     r = convert_orbax_to_peft(plain_tunix_lora["root"], str(tmp_path / "v"), base=plain_tunix_lora["base"],
                               alpha=6, target="vllm", progress=False)
     assert not r["warnings"]  # rank 4 fits vLLM's default
-    assert lora.VLLM_DEFAULT_MAX_LORA_RANK == 16
+    model, _ = build_tunix_lora(plain_tunix_lora["base"], [{"module_path": ".*q_einsum", "rank": 24, "alpha": 8.0}])
+    root = save_tunix_lora(model, str(tmp_path / "r24"))
+    r = convert_orbax_to_peft(root, str(tmp_path / "v24"), base=plain_tunix_lora["base"], alpha=8, target="vllm",
+                              progress=False)
+    assert r["warnings"] == ["rank 24 exceeds vLLM's default --max-lora-rank 16: serve with --max-lora-rank 32"]
 
 
 def test_peft_to_orbax_restores_into_qwix_exact(peft_adapter, tmp_path):
