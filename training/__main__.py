@@ -1,0 +1,74 @@
+"""``python -m training``: LoRA SFT of a Gemma 4 base on CodeV-R1-format data.
+
+    python -m training --preset tiny-cpu --base HF_DIR --data DATA.jsonl --out RUN_DIR [--max-steps N]
+                       [--config FILE.yaml] [--no-packing] [key=value ...]
+
+Re-running the same command on the same RUN_DIR resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from ckptbridge.errors import CkptBridgeError
+
+SAMPLE_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_files", "codev_sample.jsonl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from training.config import PRESETS, TrainConfig
+
+    p = argparse.ArgumentParser(
+        prog="python -m training",
+        description="LoRA SFT (Tunix + qwix + Grain) of a Gemma 4 HF base model on CodeV-R1 jsonl rows "
+        "(prompt, response). Settings: a preset, then --config, then key=value overrides "
+        f"(any of: {', '.join(f.name for f in __import__('dataclasses').fields(TrainConfig))}).",
+        epilog="Exit codes as for ckptbridge: 3 input not found, 4 corrupt file, 5 unsupported, 8 configuration.",
+    )
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="recipe to start from")
+    p.add_argument("--base", required=True, help="HF base model directory (with tokenizer and chat template)")
+    p.add_argument("--data", default=SAMPLE_DATA, help="training rows, jsonl (default: the bundled sample)")
+    p.add_argument("--out", required=True, help="run directory (config, metrics, checkpoints); re-use to resume")
+    p.add_argument("--config", help="YAML or JSON file of settings")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("--no-packing", action="store_true", help="one example per row, padded (the paper's setup)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. rank=16 learning_rate=2e-4")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    for name in ("absl", "jax", "orbax", "transformers", "tunix", "grain"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from training.config import build_config
+
+        overrides = list(args.overrides)
+        if args.max_steps is not None:
+            overrides.append(f"max_steps={args.max_steps}")
+        if args.no_packing:
+            overrides.append("packing=false")
+        cfg = build_config(args.preset, args.config, overrides)
+        if cfg.xla_flags and cfg.xla_flags not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cfg.xla_flags}".strip()
+        from training.mesh import init_distributed
+        from training.trainer import train
+
+        init_distributed()
+        summary = train(cfg, base=args.base, data_path=args.data, out=args.out,
+                        progress=False if args.quiet else None)
+    except CkptBridgeError as e:
+        print(f"training: error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

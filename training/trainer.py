@@ -1,0 +1,320 @@
+"""The LoRA SFT loop: Tunix Gemma4 (loaded through ckptbridge) + qwix LoRA + optax AdamW, on a mesh.
+
+Loss: next-token cross-entropy averaged over the loss tokens of a micro-batch; an optimizer
+step averages the gradients of ``grad_accum`` micro-batches (so the reported step loss is the
+mean of the micro-batch means, as in Tunix's PeftTrainer). Packed examples never see each
+other: attention is block-diagonal by segment and positions restart per segment.
+
+Checkpoints go through Tunix's own ``CheckpointManager`` (LoRA parameters + optimizer state), with
+ckptbridge metadata (LoRA rules, base, family, step, tokens seen) and the data iterator's state
+in the step's custom metadata, so a re-run resumes exactly where the last checkpoint was taken
+and ``ckptbridge convert orbax-to-peft RUN_DIR/checkpoints ...`` needs no flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+from ckptbridge.io.orbax import FORMAT_VERSION, metadata_json
+from training import data as data_lib
+from training.config import TrainConfig
+
+log = logging.getLogger("training")
+
+
+def lm_loss(model, batch: dict):
+    """Mean next-token NLL over the loss tokens of ``batch`` (and their count)."""
+    import jax
+    import jax.numpy as jnp
+
+    tokens, seg, pos, lm = batch["tokens"], batch["segment_ids"], batch["positions"], batch["loss_mask"]
+    t = tokens.shape[1]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    mask = same & jnp.tril(jnp.ones((t, t), bool))[None]
+    logits, _ = model(tokens, pos, None, mask)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    valid = (lm[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    count = valid.sum()
+    return jnp.where(valid, nll, 0.0).sum() / jnp.maximum(count, 1), count
+
+
+@dataclasses.dataclass
+class Run:
+    """Paths of a run directory."""
+
+    root: str
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.join(self.root, "checkpoints")
+
+    @property
+    def config(self) -> str:
+        return os.path.join(self.root, "config.json")
+
+    @property
+    def metrics(self) -> str:
+        return os.path.join(self.root, "metrics.jsonl")
+
+    @property
+    def summary(self) -> str:
+        return os.path.join(self.root, "run.json")
+
+    @property
+    def plot(self) -> str:
+        return os.path.join(self.root, "loss.png")
+
+
+def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bool | None = None) -> dict:
+    """Train (or resume) a LoRA run. Returns the summary written to ``out/run.json``."""
+    import jax
+    import optax
+    from flax import nnx
+    from transformers import AutoTokenizer
+    from tunix.sft.checkpoint_manager import CheckpointManager
+
+    import orbax.checkpoint as ocp
+    from ckptbridge import lora as lora_lib
+    from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
+    from training.mesh import fix_lora_shardings, make_mesh
+
+    t_start = time.perf_counter()
+    run = Run(out)
+    os.makedirs(run.root, exist_ok=True)
+    base_info = lora_lib.open_base(base)
+    settings = {**cfg.to_dict(), "base": os.path.abspath(base), "data": os.path.abspath(data_path)}
+    _check_same_run(run, settings)
+    with open(run.config, "w") as f:
+        json.dump(settings, f, indent=2)
+    for key, value in settings.items():
+        log.info("setting %s = %s", key, value)
+
+    # data
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows = data_lib.read_rows(data_path)
+    encoded = data_lib.encode_rows(tokenizer, rows, cfg.max_length)
+    if not encoded.examples:
+        from ckptbridge.errors import ConfigError
+
+        raise ConfigError(f"{data_path}: no row fits max_length={cfg.max_length} ({encoded.dropped_too_long} too long)")
+    pipe_args = dict(seq_len=cfg.max_length, batch=cfg.micro_batch, packing=cfg.packing, seed=cfg.seed,
+                     epochs=cfg.epochs, num_packing_bins=cfg.num_packing_bins)
+    micro_batches, real_tokens = data_lib.count_batches(encoded.examples, **pipe_args)
+    total_steps = max(1, micro_batches // cfg.grad_accum)
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    log.info("data: %d rows, %d encoded (%d dropped over %d tokens, %d empty), %d tokens; %d micro-batches -> "
+             "%d optimizer steps; real-token fraction %.3f", encoded.rows, len(encoded.examples),
+             encoded.dropped_too_long, cfg.max_length, encoded.dropped_empty, encoded.tokens, micro_batches,
+             total_steps, real_tokens / max(1, micro_batches * cfg.micro_batch * cfg.max_length))
+
+    # model
+    mesh = make_mesh(cfg.fsdp, cfg.tp, base_info.cfg)
+    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                                remat=None if cfg.remat == "none" else cfg.remat)
+    rules = [dict(r, dropout=cfg.dropout) for r in cfg.lora_rules()]
+    model = apply_lora_rules(model, rules, seed=cfg.seed)
+    fix_lora_shardings(model, mesh)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=min(cfg.warmup_steps, total_steps),
+        decay_steps=max(total_steps, cfg.warmup_steps + 1), end_value=0.0)
+    tx = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    if cfg.max_grad_norm:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), tx)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+
+    manager = CheckpointManager(os.path.abspath(run.checkpoints), options=ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep_checkpoints, create=True, enable_async_checkpointing=False))
+    step, meta = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)
+    state = (meta or {}).get("ckptbridge", {})
+    tokens_seen = int(state.get("tokens_seen", 0))
+    if step:
+        log.info("resumed from step %d (%d tokens seen)", step, tokens_seen)
+        _truncate_metrics(run.metrics, step)
+    iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args), state.get("data_state"))
+
+    @nnx.jit
+    def grad_step(model, batch):
+        grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
+        (loss, count), grads = grad_fn(model, batch)
+        return loss, count, grads
+
+    @nnx.jit
+    def apply_step(model, optimizer, grads):
+        optimizer.update(model, grads)
+        # keep every variable on its annotated sharding, so that the next step's programs see the
+        # same layouts (no recompilation, no drift of the base weights' placement)
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
+
+    add = jax.jit(lambda a, b: jax.tree.map(lambda x, y: x + y, a, b))
+    scale = jax.jit(lambda a, s: jax.tree.map(lambda x: x * s, a))
+    batch_sharding = _batch_sharding(mesh, cfg.micro_batch)
+
+    def metadata(step: int) -> dict:
+        return {"ckptbridge": metadata_json({
+            "format_version": FORMAT_VERSION, "kind": "lora", "family": base_info.spec.name,
+            "lora": {"rules": cfg.lora_rules(), "dropout": cfg.dropout},
+            "base": os.path.abspath(base), "key_prefix": base_info.prefix, "step": step,
+            "tokens_seen": tokens_seen, "data_state": iterator.get_state(),
+        })}
+
+    bar = _progress(total_steps, step, progress)
+    seq_tokens = cfg.micro_batch * cfg.max_length
+    with open(run.metrics, "a") as metrics_file:
+        while step < total_steps:
+            t0 = time.perf_counter()
+            acc, losses, real, loss_tokens = None, [], 0, 0
+            for _ in range(cfg.grad_accum):
+                try:
+                    host = next(iterator)
+                except StopIteration:
+                    break
+                real += int((host["segment_ids"] > 0).sum())
+                batch = jax.device_put({k: np.asarray(v, np.int32) for k, v in host.items()}, batch_sharding)
+                loss, count, grads = grad_step(model, batch)
+                acc = grads if acc is None else add(acc, grads)
+                losses.append(float(loss))
+                loss_tokens += int(count)
+            if acc is None:
+                break
+            grads = scale(acc, 1.0 / len(losses))
+            grad_norm = float(optax.global_norm(grads))
+            lr = float(schedule(step))
+            apply_step(model, optimizer, grads)
+            # finish this step before the next is dispatched: step times are then real, and
+            # programs with collectives never overlap (which can deadlock CPU device threads)
+            jax.block_until_ready(nnx.state(model, nnx.LoRAParam))
+            step += 1
+            tokens_seen += real
+            dt = time.perf_counter() - t0
+            record = {"step": step, "loss": float(np.mean(losses)), "grad_norm": grad_norm, "lr": lr,
+                      "tokens": real, "loss_tokens": loss_tokens, "tokens_per_s": real / dt,
+                      "real_token_fraction": real / (seq_tokens * len(losses)), "seconds": dt,
+                      "tokens_seen": tokens_seen}
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            _report(bar, record, cfg.log_every, total_steps)
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                manager.save(step, model, optimizer, save_only_lora_params=True, force=True,
+                             custom_metadata=metadata(step))
+    if bar is not None:
+        bar.close()
+    manager.close()
+    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start)
+    return summary
+
+
+def _check_same_run(run: Run, settings: dict) -> None:
+    """A run directory belongs to one base, dataset and recipe: resuming with others is refused."""
+    if not os.path.isfile(run.config) or not os.path.isdir(run.checkpoints):
+        return
+    with open(run.config) as f:
+        old = json.load(f)
+    keys = ("base", "data", "rank", "alpha", "targets", "max_length", "packing", "seed", "micro_batch",
+            "grad_accum", "epochs")
+    changed = [k for k in keys if old.get(k) != settings.get(k)]
+    if changed:
+        from ckptbridge.errors import ConfigError
+
+        raise ConfigError(f"{run.root}: holds a run with other settings ({', '.join(changed)}); "
+                          "use a new --out directory to start another run")
+
+
+def _batch_sharding(mesh, micro_batch: int):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axis = "fsdp" if micro_batch % mesh.shape["fsdp"] == 0 else None
+    return NamedSharding(mesh, PartitionSpec(axis))
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop metric lines past the checkpoint a run resumes from (they will be logged again)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def _progress(total: int, start: int, enabled: bool | None):
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr)
+
+
+def _report(bar, record: dict, every: int, total: int) -> None:
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+    elif record["step"] % every == 0 or record["step"] == total:
+        log.info("step %d/%d loss %.4f grad_norm %.3f lr %.2e tokens/s %.0f real %.3f", record["step"], total,
+                 record["loss"], record["grad_norm"], record["lr"], record["tokens_per_s"],
+                 record["real_token_fraction"])
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: float) -> dict:
+    records = read_metrics(run.metrics) if os.path.isfile(run.metrics) else []
+    tokens = sum(r["tokens"] for r in records)
+    capacity = sum(r["tokens"] / r["real_token_fraction"] for r in records if r["real_token_fraction"])
+    train_seconds = sum(r["seconds"] for r in records)
+    summary = {
+        "steps": records[-1]["step"] if records else 0,
+        "total_steps": total_steps,
+        "final_loss": records[-1]["loss"] if records else None,
+        "first_loss": records[0]["loss"] if records else None,
+        "tokens": tokens,
+        "real_token_fraction": tokens / capacity if capacity else None,
+        "train_seconds": train_seconds,
+        "tokens_per_s": tokens / train_seconds if train_seconds else None,
+        "wall_seconds_this_session": wall,
+        "usd_per_hour": cfg.usd_per_hour,
+        "cost_usd": cfg.usd_per_hour * train_seconds / 3600,
+        "rows": encoded.rows,
+        "examples": len(encoded.examples),
+        "dropped_too_long": encoded.dropped_too_long,
+        "dropped_empty": encoded.dropped_empty,
+        "packing": cfg.packing,
+        "checkpoints": os.path.abspath(run.checkpoints),
+    }
+    with open(run.summary, "w") as f:
+        json.dump(summary, f, indent=2)
+    if records:
+        _plot(records, run.plot)
+    return summary
+
+
+def _plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean over loss tokens)")
+    ax.set_title("LoRA SFT loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
