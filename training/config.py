@@ -41,7 +41,7 @@ class TrainConfig:
     grad_accum: int = 8
     max_length: int = 3072
     packing: bool = True
-    num_packing_bins: int = 16
+    num_packing_bins: int = 64
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; default: the whole data for `epochs`
     seed: int = 0

@@ -1,5 +1,5 @@
 """SFT data: CodeV-R1 rows -> chat-formatted token ids with an assistant-only loss mask -> Grain
-pipeline (deterministic shuffle, optional first-fit packing, resumable iterator).
+pipeline (deterministic shuffle, optional best-fit packing, resumable iterator).
 
 A row is a JSON object with ``prompt`` and ``response`` (other keys, e.g. ``system``, are
 ignored). The response's reasoning is stripped: the ``<answer>`` body is taken (else the
@@ -107,18 +107,18 @@ def encode_rows(tokenizer, rows: list[dict], max_length: int) -> Encoded:
 
 
 def pipeline(examples: list[dict], *, seq_len: int, batch: int, packing: bool, seed: int, epochs: int = 1,
-             num_packing_bins: int = 16):
+             num_packing_bins: int = 64):
     """A Grain IterDataset of training micro-batches: ``tokens``, ``loss_mask``, ``segment_ids``
     and ``positions``, each ``(batch, seq_len)``. Shuffled by ``seed`` (a new order each epoch);
-    with ``packing`` several examples share a row (first-fit), without it each row is one
-    example padded to ``seq_len``."""
+    with ``packing`` several examples share a row (best-fit over ``num_packing_bins`` open rows),
+    without it each row is one example padded to ``seq_len``."""
     import grain
 
     ds = grain.MapDataset.source(examples)
     ds = ds.shuffle(seed=seed).repeat(epochs) if epochs > 1 else ds.shuffle(seed=seed)
     it = ds.to_iter_dataset()
     if packing:
-        it = grain.experimental.FirstFitPackIterDataset(
+        it = grain.experimental.BestFitPackIterDataset(
             it, length_struct={"tokens": seq_len, "loss_mask": seq_len}, num_packing_bins=num_packing_bins,
             seed=seed, shuffle_bins=True,
         )
