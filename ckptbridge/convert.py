@@ -266,9 +266,7 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
     prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
     ents = mapping.entries(cfg, spec, prefix)
     leaves = ckpt.leaves
-    suffix: tuple[str, ...] = ()
-    if leaves and all(p[-1] == "value" for p in leaves):
-        suffix = ("value",)
+    suffix = ckpt.value_suffix
     expected = {e.tunix_path + suffix: e for e in ents}
     missing = [p for p in expected if p not in leaves]
     if missing:

@@ -291,7 +291,7 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
         raise UnsupportedError(f"{path}: has no LoRA parameters (*_lora_a/*_lora_b); for full weights use orbax-to-safetensors")
     if meta.get("family") not in (None, base.spec.name):
         raise MismatchError(f"{path}: LoRA of family {meta['family']!r}, but the base {base.path} is {base.spec.name!r}")
-    suffix = ("value",) if leaves and all(p[-1] == "value" for p in leaves) else ()
+    suffix = ckpt.value_suffix
     by_leaf = base.by_leaf()
     present: dict[LoraModule, list] = {}
     for p in sorted(leaves):

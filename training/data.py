@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 from typing import Any, Iterator
@@ -156,13 +155,13 @@ def count_batches(examples: list[dict], **kwargs: Any) -> tuple[int, int]:
     return n, real
 
 
-def attention_mask(segment_ids: np.ndarray) -> np.ndarray:
+def attention_mask(segment_ids, xp=np):
     """(B, T, T) causal mask that keeps packed examples apart: token i sees token j iff both are
-    in the same (non-padding) segment and j <= i."""
-    seg = np.asarray(segment_ids)
+    in the same (non-padding) segment and j <= i. ``xp`` is numpy or jax.numpy."""
+    seg = segment_ids
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
     t = seg.shape[1]
-    return same & np.tril(np.ones((t, t), bool))[None]
+    return same & xp.tril(xp.ones((t, t), bool))[None]
 
 
 def iterate(ds, state: dict | None = None) -> Iterator[dict]:
@@ -172,6 +171,3 @@ def iterate(ds, state: dict | None = None) -> Iterator[dict]:
         it.set_state(state)
     return it
 
-
-def steps_per_epoch(num_batches: int, grad_accum: int) -> int:
-    return max(1, math.ceil(num_batches / grad_accum))

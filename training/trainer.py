@@ -35,10 +35,7 @@ def lm_loss(model, batch: dict):
     import jax.numpy as jnp
 
     tokens, seg, pos, lm = batch["tokens"], batch["segment_ids"], batch["positions"], batch["loss_mask"]
-    t = tokens.shape[1]
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
-    mask = same & jnp.tril(jnp.ones((t, t), bool))[None]
-    logits, _ = model(tokens, pos, None, mask)
+    logits, _ = model(tokens, pos, None, data_lib.attention_mask(seg, jnp))
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     valid = (lm[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)

@@ -210,6 +210,11 @@ class OrbaxCheckpoint:
             self.leaves[p] = (tuple(int(s) for s in shape), np.dtype(dtype))
 
     @property
+    def value_suffix(self) -> tuple[str, ...]:
+        """``("value",)`` when every leaf ends in nnx's ``value`` level (a saved nnx State), else ``()``."""
+        return ("value",) if self.leaves and all(p[-1] == "value" for p in self.leaves) else ()
+
+    @property
     def ckptbridge_metadata(self) -> dict:
         m = self.custom_metadata.get(METADATA_KEY)
         return m if isinstance(m, dict) else {}
