@@ -7,6 +7,7 @@ placed on a mesh, if one is given, with the sharding annotations of Tunix's para
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -170,18 +171,50 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
 
 
 def apply_lora_rules(model, rules: list[dict], *, seed: int = 0):
-    """Wrap a Tunix Gemma4 with qwix LoRA following ``rules`` ([{module_path, rank, alpha}, ...])."""
+    """Wrap a Tunix Gemma4 with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]).
+    A rule with dropout > 0 drops LoRA inputs on every call (training only); its random stream is
+    the model's ``qwix_rngs`` attribute (see ``training.trainer``)."""
     import jax.numpy as jnp
     import qwix
     from flax import nnx
 
     provider = qwix.LoraProvider([qwix.LoraRule(module_path=r["module_path"], rank=int(r["rank"]),
-                                                alpha=float(r["alpha"])) for r in rules])
+                                                alpha=float(r["alpha"]), dropout=float(r.get("dropout", 0.0)))
+                                  for r in rules])
     t = 4  # Gemma 4 sliding layers need more than one token to trace
-    return qwix.apply_lora_to_model(
-        model, provider, jnp.ones((1, t), jnp.int32), jnp.arange(t)[None], None,
-        jnp.tril(jnp.ones((1, t, t), bool)), rngs=nnx.Rngs(seed),
-    )
+    originals = _set_remat_off(model)
+    try:
+        lora_model = qwix.apply_lora_to_model(
+            model, provider, jnp.ones((1, t), jnp.int32), jnp.arange(t)[None], None,
+            jnp.tril(jnp.ones((1, t, t), bool)), rngs=nnx.Rngs(seed),
+        )
+    finally:
+        _restore_configs(model, originals)
+    _restore_configs(lora_model, originals)
+    return lora_model
+
+
+def _set_remat_off(model) -> dict:
+    """Tunix runs rematerialised blocks under ``nnx.remat(..., graph_updates=False)``, which drops
+    parameters created inside them, so qwix's first (parameter-creating) call must run without
+    remat: each module's ``config`` becomes a copy with ``remat_config`` NONE. Returns the
+    original configs by module path, for :func:`_restore_configs`."""
+    from tunix.models.gemma4 import model as gm
+
+    originals = {}
+    for path, module in model.iter_modules():
+        config = getattr(module, "config", None)
+        remat = getattr(config, "remat_config", gm.RematConfig.NONE)
+        if dataclasses.is_dataclass(config) and remat != gm.RematConfig.NONE:
+            originals[path] = config
+            module.config = dataclasses.replace(config, remat_config=gm.RematConfig.NONE)
+    return originals
+
+
+def _restore_configs(model, originals: dict) -> None:
+    for path, module in model.iter_modules():
+        if path in originals:
+            module.config = originals[path]
 
 
 def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None, mesh=None,

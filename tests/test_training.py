@@ -104,6 +104,44 @@ def test_packed_loss_equals_unpacked(base, tokenizer):
     np.testing.assert_allclose(float(loss_p), float(loss_u), rtol=2e-6)
 
 
+def test_lora_under_remat_and_dropout(base, tokenizer):
+    """qwix LoRA on a rematerialised Tunix model (the 31B preset's remat=decoder) gets its factors,
+    and with dropout on, gradients equal those without remat for the same masks."""
+    import jax
+    from flax import nnx
+
+    from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
+    from training.trainer import _dropout_stream, _reseed, lm_loss
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    cfg = build_config("tiny-cpu", None, ["dropout=0.1"])
+    enc = data_lib.encode_rows(tokenizer, data_lib.read_rows(SAMPLE)[:6], 256)
+    batch = next(iter(data_lib.pipeline(enc.examples, seq_len=256, batch=2, packing=True, seed=0)))
+    batch = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
+    grads = {}
+    for remat in (None, "decoder", "block"):
+        model, _ = load_tunix_model(base, param_dtype=np.float32, remat=remat)
+        model = apply_lora_rules(model, [dict(r, dropout=cfg.dropout) for r in cfg.lora_rules()])
+        state = nnx.state(model, nnx.LoRAParam)
+        assert len(nnx.to_flat_state(state)) == 72  # 6 layers x 7 targets x (A, B), k_einsum on the global one
+        # non-zero B so that dropout reaches the loss
+        nnx.update(model, jax.tree.map(lambda x: x + 0.01, state))
+        rngs = _dropout_stream(model, cfg)
+        grad_fn = nnx.grad(lambda m: lm_loss(m, batch)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))
+        _reseed(rngs, cfg.seed, 0)
+        first = grad_fn(model)
+        _reseed(rngs, cfg.seed, 1)
+        other = grad_fn(model)
+        _reseed(rngs, cfg.seed, 0)
+        again = grad_fn(model)
+        flat = lambda g: np.concatenate([np.ravel(v.get_value()) for _, v in nnx.to_flat_state(g)])  # noqa: E731
+        assert np.array_equal(flat(first), flat(again))  # masks depend on (seed, micro-batch) only
+        assert not np.allclose(flat(first), flat(other))  # and change between micro-batches
+        grads[remat] = flat(first)
+    for remat in ("decoder", "block"):  # same maths, other fusion: float32 rounding apart
+        assert np.linalg.norm(grads[remat] - grads[None]) <= 1e-5 * np.linalg.norm(grads[None]), remat
+
+
 def test_presets_and_overrides(tmp_path):
     cfg = build_config("gemma4-31b-v5p8")
     assert (cfg.rank, cfg.alpha, cfg.dropout, cfg.learning_rate, cfg.warmup_steps, cfg.weight_decay) == (
@@ -200,3 +238,48 @@ def test_train_kill_resume_export(base, tmp_path):
     assert step == len(ref)
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 11))
     assert rel_l2(peft_logits(base, adapter, tokens), tunix_logits(model, tokens)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_four_device_mesh_trains_like_one_device(tmp_path):
+    """tp=4 over 4 simulated CPU devices: LoRA factors sharded, the same losses and the same
+    adapter as on one device; LoRA dropout runs on the mesh too."""
+    from ckptbridge.testing import build_checkpoint
+
+    base = build_checkpoint(str(tmp_path / "hf"), num_attention_heads=8, num_key_value_heads=4,
+                            num_global_key_value_heads=4)
+    common = ["--base", base, "--data", SAMPLE, "--max-steps", "3", "max_length=256", "log_every=1"]
+    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                         "--xla_cpu_collective_call_terminate_timeout_seconds=120"}
+    runs = {}
+    for name, extra, env in (("one", [], None), ("four", ["tp=4"], four), ("dropout", ["tp=4", "dropout=0.05"], four)):
+        out = str(tmp_path / name)
+        proc = run_training("--out", out, *common, *extra, env=env)
+        stdout, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        runs[name] = (out, metrics(out), err)
+    log = runs["four"][2]
+    assert "mesh {'fsdp': 1, 'tp': 4}" in log
+    sharded, total = (int(x) for x in log.split("LoRA factors: ")[1].split(" sharded")[0].split(" of "))
+    assert total == 72 and sharded > 0  # 6 layers x 7 targets (k_einsum on the global one) x (A, B)
+    one, four_m = runs["one"][1], runs["four"][1]
+    assert [r["step"] for r in four_m] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in four_m], [r["loss"] for r in one], rtol=1e-4)
+    np.testing.assert_allclose([r["grad_norm"] for r in four_m], [r["grad_norm"] for r in one], rtol=1e-3)
+    drop = runs["dropout"][1]
+    assert len(drop) == 3 and all(np.isfinite(r["loss"]) for r in drop)
+    # B starts at zero, so step 1's loss is the same, but dropout changes the gradients
+    assert drop[0]["loss"] == four_m[0]["loss"] and abs(drop[0]["grad_norm"] / four_m[0]["grad_norm"] - 1) > 1e-3
+
+    from safetensors.numpy import load_file
+
+    from ckptbridge.adapters import convert_orbax_to_peft
+
+    tensors = {}
+    for name in ("one", "four"):
+        dst = str(tmp_path / f"{name}-adapter")
+        convert_orbax_to_peft(os.path.join(runs[name][0], "checkpoints"), dst, base=base, progress=False)
+        tensors[name] = load_file(os.path.join(dst, "adapter_model.safetensors"))
+    assert tensors["one"].keys() == tensors["four"].keys()
+    for key, value in tensors["one"].items():
+        np.testing.assert_allclose(tensors["four"][key], value, rtol=1e-3, atol=1e-5, err_msg=key)

@@ -6,7 +6,8 @@ Presets:
   dropout 0.05; AdamW lr 1e-4, 100 warmup steps, cosine to 0, weight decay 0.001; micro-batch 1
   x accumulation 8; max length 3072; checkpoint every 100 steps, keep 3; mesh fsdp=1 tp=4;
   remat per decoder layer; bf16.
-* ``tiny-cpu``: the same code path with small numbers, for a laptop CPU and the tests.
+* ``tiny-cpu``: the same code path with small numbers, for a laptop CPU and the tests (rank 8,
+  lr 3e-3, micro-batch 1 x accumulation 4, float32, no remat; max length 3072 as in the paper).
 
 Differences from the paper, on purpose: LoRA also on ``k_einsum`` (the paper's regex missed the
 global layers' K=V projection) and sequence packing on (``packing=false`` reproduces the paper).
@@ -74,8 +75,8 @@ class TrainConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     "gemma4-31b-v5p8": {},
     "tiny-cpu": dict(
-        rank=8, alpha=16.0, dropout=0.0, learning_rate=3e-3, warmup_steps=2, micro_batch=2, grad_accum=2,
-        max_length=256, num_packing_bins=8, checkpoint_every=10, keep_checkpoints=3, fsdp=1, tp=1,
+        rank=8, alpha=16.0, dropout=0.0, learning_rate=3e-3, warmup_steps=2, micro_batch=1, grad_accum=4,
+        checkpoint_every=10, keep_checkpoints=3, fsdp=1, tp=1,
         remat="none", param_dtype="float32", dtype="float32", usd_per_hour=0.0, xla_flags="",
     ),
 }

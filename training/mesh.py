@@ -56,17 +56,18 @@ def make_mesh(fsdp: int, tp: int, cfg: ModelConfig):
     return Mesh(np.asarray(devices).reshape(fsdp, tp), ("fsdp", "tp"))
 
 
-def fix_lora_shardings(model, mesh) -> int:
+def fix_lora_shardings(model, mesh) -> tuple[int, int]:
     """Give every LoRA factor a sharding that fits it: qwix copies the base weight's annotation
     onto A and B, whose ranks and sizes differ; an annotation of the wrong length, or one that
-    does not divide a dimension, becomes replicated. Places the factors on the mesh. Returns the
-    number of annotations replaced."""
+    does not divide a dimension, becomes replicated. Places the factors on the mesh. Returns
+    (annotations replaced, factors)."""
     import jax
     from flax import nnx
 
     state = nnx.state(model, nnx.LoRAParam)
     replaced = 0
-    for _, var in nnx.to_flat_state(state):
+    flat = nnx.to_flat_state(state)
+    for _, var in flat:
         spec = var.get_metadata().get("out_sharding")
         shape = var.get_value().shape
         ok = spec is not None and len(spec) == len(shape) and all(
@@ -78,4 +79,4 @@ def fix_lora_shardings(model, mesh) -> int:
             replaced += 1
     shardings = nnx.get_named_sharding(state, mesh)
     nnx.update(model, jax.device_put(state, shardings))
-    return replaced
+    return replaced, len(flat)

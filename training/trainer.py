@@ -119,7 +119,10 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                                 remat=None if cfg.remat == "none" else cfg.remat)
     rules = [dict(r, dropout=cfg.dropout) for r in cfg.lora_rules()]
     model = apply_lora_rules(model, rules, seed=cfg.seed)
-    fix_lora_shardings(model, mesh)
+    replaced, total = fix_lora_shardings(model, mesh)
+    dropout_rngs = _dropout_stream(model, cfg)
+    log.info("mesh %s; LoRA factors: %d of %d sharded over it, %d replicated (their base annotation does not "
+             "fit them)", dict(mesh.shape), total - replaced, total, replaced)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=min(cfg.warmup_steps, total_steps),
         decay_steps=max(total_steps, cfg.warmup_steps + 1), end_value=0.0)
@@ -145,15 +148,19 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         return loss, count, grads
 
     @nnx.jit
-    def apply_step(model, optimizer, grads):
+    def apply_step(model, optimizer, acc, n):
+        # one program per step: eager op-by-op work on sharded arrays (e.g. a global norm)
+        # dispatches many small programs with collectives, which can deadlock CPU device threads
+        grads = jax.tree.map(lambda g: g / n, acc)
+        grad_norm = optax.global_norm(grads)
         optimizer.update(model, grads)
         # keep every variable on its annotated sharding, so that the next step's programs see the
         # same layouts (no recompilation, no drift of the base weights' placement)
         state = nnx.state((model, optimizer))
         nnx.update((model, optimizer), jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
+        return grad_norm
 
     add = jax.jit(lambda a, b: jax.tree.map(lambda x, y: x + y, a, b))
-    scale = jax.jit(lambda a, s: jax.tree.map(lambda x: x * s, a))
     batch_sharding = _batch_sharding(mesh, cfg.micro_batch)
 
     def metadata(step: int) -> dict:
@@ -170,11 +177,13 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         while step < total_steps:
             t0 = time.perf_counter()
             acc, losses, real, loss_tokens = None, [], 0, 0
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 try:
                     host = next(iterator)
                 except StopIteration:
                     break
+                if dropout_rngs is not None:
+                    _reseed(dropout_rngs, cfg.seed, step * cfg.grad_accum + micro)
                 real += int((host["segment_ids"] > 0).sum())
                 batch = jax.device_put({k: np.asarray(v, np.int32) for k, v in host.items()}, batch_sharding)
                 loss, count, grads = grad_step(model, batch)
@@ -183,10 +192,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                 loss_tokens += int(count)
             if acc is None:
                 break
-            grads = scale(acc, 1.0 / len(losses))
-            grad_norm = float(optax.global_norm(grads))
             lr = float(schedule(step))
-            apply_step(model, optimizer, grads)
+            grad_norm = float(apply_step(model, optimizer, acc, np.float32(len(losses))))
             # finish this step before the next is dispatched: step times are then real, and
             # programs with collectives never overlap (which can deadlock CPU device threads)
             jax.block_until_ready(nnx.state(model, nnx.LoRAParam))
@@ -208,6 +215,26 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     manager.close()
     summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start)
     return summary
+
+
+def _dropout_stream(model, cfg: TrainConfig):
+    """qwix draws LoRA dropout masks from the ``qwix_rngs`` attribute of the module it runs in:
+    give every module one shared stream (None when dropout is off)."""
+    if cfg.dropout <= 0:
+        return None
+    from flax import nnx
+
+    rngs = nnx.Rngs(dropout=cfg.seed)
+    model.set_attributes(qwix_rngs=rngs)
+    return rngs
+
+
+def _reseed(rngs, seed: int, micro_batch_index: int) -> None:
+    """Masks depend on (seed, global micro-batch index) only, so a resumed run draws the same ones."""
+    import jax
+
+    rngs.dropout.key[...] = jax.random.fold_in(jax.random.key(seed), micro_batch_index)
+    rngs.dropout.count[...] = 0
 
 
 def _check_same_run(run: Run, settings: dict) -> None:
