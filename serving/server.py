@@ -1,0 +1,146 @@
+"""Launch and supervise a local vLLM server (the ``cpu`` profile): start it in its own process
+group, wait until it answers, stop it cleanly (SIGTERM to the whole group, SIGKILL after a grace
+period) when the caller leaves, is interrupted or is terminated."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+
+from ckptbridge.errors import CkptBridgeError, ConfigError, InputNotFoundError
+from serving.profiles import SERVE_PYTHON, ServeCommand
+
+
+class ServerError(CkptBridgeError):
+    exit_code = 9
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise ConfigError(f"port {port} on {host} is in use; stop what listens there or choose another --port") from None
+
+
+def get_json(url: str, timeout: float = 5.0):
+    import httpx
+
+    r = httpx.get(url, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+class LocalServer:
+    """``with LocalServer(cmd, log_path) as server: ...``: the server is up inside the block."""
+
+    def __init__(self, command: ServeCommand, log_path: str | None = None, startup_timeout: float = 600.0):
+        self.command = command
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return self.command.url
+
+    def start(self) -> None:
+        if not os.path.exists(SERVE_PYTHON):
+            raise InputNotFoundError(f"{SERVE_PYTHON}: the serving environment is missing; run scripts/setup.sh")
+        host, port = self.command.url.rsplit("//", 1)[1].rsplit(":", 1)
+        check_port(host, int(port))
+        if self.log_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+            self._log = open(self.log_path, "ab")
+        env = {**os.environ, **self.command.env}
+        self.proc = subprocess.Popen(self.command.argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT if self._log else None)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM exited with code {self.proc.returncode} while starting{self._tail()}")
+            try:
+                models = get_json(f"{self.url}/v1/models", timeout=2.0)
+                if any(m.get("id") == self.command.served_name for m in models.get("data", [])):
+                    return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"vLLM did not answer at {self.url} within {self.startup_timeout:.0f} s{self._tail()}")
+
+    def _tail(self, lines: int = 15) -> str:
+        if not self.log_path or not os.path.isfile(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - 20000))
+            text = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+        return f"; last lines of {self.log_path}:\n" + "\n".join(text)
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc is not None:
+            # whatever the group left behind (engine workers) goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self._log:
+            self._log.close()
+            self._log = None
+        return proc.returncode if proc is not None else None
+
+    def __enter__(self) -> LocalServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_forever(server: LocalServer) -> int:
+    """Run until SIGINT/SIGTERM (then stop the server cleanly) or until the server exits."""
+    stop = {"signal": None}
+
+    def handler(signum, _frame):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with server:
+            print(f"serving {server.command.served_name} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+            while stop["signal"] is None and server.proc is not None and server.proc.poll() is None:
+                time.sleep(0.5)
+            if stop["signal"] is None and server.proc is not None:
+                raise ServerError(f"vLLM exited with code {server.proc.returncode}{server._tail()}")
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    print("server stopped", flush=True)
+    return 0
