@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: set up, then build a tiny Gemma 4 (31B-shaped), convert HF -> Orbax -> HF,
-# check bytes and cross-framework logits, and write out/report.md. Options: see --help.
+# The main job: set up, then the whole pipeline on an embedded tiny Gemma 4 shaped like 31B:
+# LoRA fine-tune -> conversions -> merge -> vLLM serve -> bench -> verilog-eval; writes out/report.md.
+# Options (--base, --data, --problems, --out, --smallest): see ./run.sh --help.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 scripts/setup.sh
-exec .venv/bin/python -m ckptbridge.demo "$@"
+exec .venv/bin/python -m pipeline "$@"

