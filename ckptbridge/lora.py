@@ -26,6 +26,7 @@ import numpy as np
 from ckptbridge import layout, mapping
 from ckptbridge.config import ModelConfig, parse_config, read_config_file
 from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.io.hf import check_inside
 from ckptbridge.io.safetensors import SafetensorsFile
 from ckptbridge.specs import FamilySpec, get_family
 
@@ -375,6 +376,7 @@ def read_adapter_config(path: str) -> dict:
     cfg_path = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(cfg_path):
         raise InputNotFoundError(f"{path}: no {ADAPTER_CONFIG}; not a PEFT adapter directory")
+    check_inside(path, cfg_path)
     try:
         with open(cfg_path, "rb") as f:
             cfg = json.loads(f.read().decode("utf-8"))
@@ -413,7 +415,7 @@ def open_peft_lora(src: str, base: Base) -> PeftLora:
                 "save_pretrained(..., safe_serialization=True)"
             )
         raise InputNotFoundError(f"{src}: no {ADAPTER_WEIGHTS}")
-    f = SafetensorsFile(weights)
+    f = SafetensorsFile(check_inside(src, weights))
     try:
         return _validate_peft(src, f, base, cfg)
     except BaseException:

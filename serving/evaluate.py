@@ -187,23 +187,32 @@ def extract_code(completion: str) -> str:
     return blocks[0][1] if blocks else completion
 
 
-def _limits(cpu_seconds: float):
-    def apply():
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
-        cpu = int(cpu_seconds) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _limited(argv: list[str], cpu_seconds: float) -> tuple[list[str], object]:
+    """``argv`` under resource limits (file size, CPU time, memory, no core files): through
+    util-linux's ``prlimit`` when present (no Python runs between fork and exec, which matters in
+    multithreaded callers), else set in the child before exec."""
+    cpu = int(cpu_seconds) + 1
+    limits = {resource.RLIMIT_FSIZE: FILE_LIMIT, resource.RLIMIT_CPU: cpu, resource.RLIMIT_AS: MEMORY_LIMIT,
+              resource.RLIMIT_CORE: 0}
+    prlimit = shutil.which("prlimit")
+    if prlimit:
+        return [prlimit, f"--fsize={FILE_LIMIT}", f"--cpu={cpu}", f"--as={MEMORY_LIMIT}", "--core=0", "--",
+                *argv], None
 
-    return apply
+    def apply():
+        for which, value in limits.items():
+            resource.setrlimit(which, (value, value))
+
+    return argv, apply
 
 
 def _run_limited(argv: list[str], cwd: str, timeout: float) -> tuple[str, int | None, str | None]:
     """Run with time, output and file-size limits; returns (output, returncode, limit hit or None)."""
+    argv, preexec = _limited(argv, timeout)
     proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_limits(timeout), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                                              "HOME": cwd, "TMPDIR": cwd, "LC_ALL": "C"})
+                            start_new_session=True, preexec_fn=preexec,
+                            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": cwd, "TMPDIR": cwd,
+                                 "LC_ALL": "C"})
     chunks: list[bytes] = []
     size = 0
     hit: list[str] = []

@@ -40,8 +40,12 @@ def read_rows(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise InputNotFoundError(f"--data {path}: no such file")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorruptFileError(f"{path}:{n}: not UTF-8 text; the data must be UTF-8 jsonl") from None
             if not line.strip():
                 continue
             try:

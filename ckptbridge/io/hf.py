@@ -30,7 +30,23 @@ def safe_member(directory: str, name: object, what: str) -> str:
         raise CorruptFileError(
             f"{what}: file name {name!r} is not a plain file name inside {directory}; fix the index"
         )
-    return os.path.join(directory, name)
+    return check_inside(directory, os.path.join(directory, name))
+
+
+def check_inside(directory: str, path: str) -> str:
+    """``path`` (a file of ``directory``) unless it is a symlink that resolves outside the directory.
+    A Hugging Face hub snapshot's links into its own repository's ``blobs/`` are allowed."""
+    if not os.path.islink(path):
+        return path
+    real = os.path.realpath(path)
+    allowed = [os.path.realpath(directory)]
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.basename(parent) == "snapshots":
+        allowed.append(os.path.realpath(os.path.join(os.path.dirname(parent), "blobs")))
+    if not any(real.startswith(root + os.sep) for root in allowed):
+        raise CorruptFileError(f"{path}: a symlink to {real}, outside {directory}; copy the file into the "
+                               "directory instead of linking it")
+    return path
 
 
 def is_weight_file(name: str) -> bool:
@@ -46,7 +62,7 @@ class HFModelDir:
             raise InputNotFoundError(f"{path}: no such directory")
         if not os.path.isdir(path):
             raise InputNotFoundError(f"{path}: not a directory; give the HF model directory (config.json + *.safetensors)")
-        self.config = read_config_file(os.path.join(path, "config.json"))
+        self.config = read_config_file(check_inside(path, os.path.join(path, "config.json")))
         self.files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
         try:
@@ -59,6 +75,7 @@ class HFModelDir:
         index_path = os.path.join(self.path, INDEX_NAME)
         single = os.path.join(self.path, SINGLE_NAME)
         if os.path.isfile(index_path):
+            check_inside(self.path, index_path)
             try:
                 with open(index_path, "rb") as f:
                     index = json.loads(f.read().decode("utf-8"))
@@ -106,7 +123,7 @@ class HFModelDir:
                 )
             raise InputNotFoundError(f"{self.path}: no *.safetensors weights found")
         for name in names:
-            f = SafetensorsFile(os.path.join(self.path, name))
+            f = SafetensorsFile(check_inside(self.path, os.path.join(self.path, name)))
             self.files[name] = f
             for key in f.keys():
                 if key in self._where:
