@@ -6,7 +6,7 @@ adapter, each in a fresh process, and prints peak RSS (and the RSS of a process 
 imports the same modules) next to the checkpoint size. Streaming means the peak should stay
 flat while the checkpoint grows 4x.
 
-    .venv/bin/python benchmarks/memory_vs_layers.py [--layers 4 16] [--width 1024] [--out DIR]
+    .venv/bin/python benchmarks/memory_vs_layers.py [--layers 4 16] [--width 1024] [--out FILE] [--max-growth 0.6]
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--width", type=int, default=1024, help="hidden size D (MLP 4 D, 8 heads)")
     ap.add_argument("--out", help="write results JSON here")
+    ap.add_argument("--max-growth", type=float,
+                    help="exit 1 when a peak RSS grows by more than this many MB per MB of checkpoint between the "
+                    "smallest and largest model (the CI guard; holding the whole model in memory is >= 1)")
     args = ap.parse_args()
     from ckptbridge.testing import write_random_adapter, write_random_checkpoint
 
@@ -102,6 +105,15 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"width": d, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
+    growth = {k: (last[k] - first[k]) / (last["checkpoint_mb"] - first["checkpoint_mb"]) for k in keys[1:]}
+    print("peak RSS growth per MB of checkpoint: " + ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in growth.items()))
+    if args.max_growth is not None:
+        over = [k for k, v in growth.items() if v > args.max_growth]
+        if over:
+            print(f"memory grows with the model: {', '.join(f'{k} {growth[k]:.2f}' for k in over)} MB/MB "
+                  f"> {args.max_growth}")
+            sys.exit(1)
+        print(f"memory guard ok: every peak RSS grows <= {args.max_growth} MB per MB of checkpoint")
 
 
 if __name__ == "__main__":
