@@ -254,16 +254,42 @@ class OrbaxLora:
     suffix: tuple[str, ...]
     scaling: dict[LoraModule, Scaling]
     metadata: dict
+    batch_bytes: int = 256 << 20  # factors read per Orbax restore call
+    _ahead: dict = dataclasses.field(default_factory=dict)
 
     def factors(self, mod: LoraModule) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B) of ``mod`` in Tunix layout. Modules are read in batches of about ``batch_bytes``
+        (one Orbax restore per batch instead of one per module: each call has a fixed cost, which
+        made a 31B rank-64 export 4x slower), in the order of ``scaling``; a factor is dropped from
+        the batch once handed out."""
+        if mod not in self._ahead:
+            self._read_batch(mod)
+        return self._ahead.pop(mod)
+
+    def _leaves(self, mod: LoraModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
         a, b = (leaf + self.suffix for leaf in mod.leaves)
-        got = self.ckpt.read([a, b])
-        return got[a], got[b]
+        return a, b
+
+    def _read_batch(self, first: LoraModule) -> None:
+        order = list(self.scaling)
+        batch, total = [], 0
+        for mod in order[order.index(first):] if first in self.scaling else [first]:
+            size = sum(int(np.prod(self.ckpt.leaves[p][0])) * np.dtype(self.ckpt.leaves[p][1]).itemsize
+                       for p in self._leaves(mod))
+            if batch and total + size > self.batch_bytes:
+                break
+            if mod not in self._ahead:
+                batch.append(mod)
+                total += size
+        got = self.ckpt.read([p for mod in batch for p in self._leaves(mod)])
+        for mod in batch:
+            self._ahead[mod] = tuple(got[p] for p in self._leaves(mod))
 
     def dtype(self, mod: LoraModule) -> np.dtype:
         return self.ckpt.leaves[mod.leaves[0] + self.suffix][1]
 
     def close(self) -> None:
+        self._ahead.clear()
         self.ckpt.close()
 
     def __enter__(self):
