@@ -420,7 +420,7 @@ def c_peft_symlink_out(w, tmp):
 
 
 def c_peft_a_without_b(w, tmp):
-    src = rewrite_adapter(w, tmp, lambda t: {k: v for i, (k, v) in enumerate(sorted(t.items()))
+    src = rewrite_adapter(w, tmp, lambda t: {k: v for k, v in t.items()
                                              if not (k.endswith("lora_B.weight") and "layers.0.self_attn.q_proj" in k)})
     return p2o(src, w, tmp), [src]
 
