@@ -21,7 +21,7 @@ import tempfile
 import time
 
 DRIVER = r"""
-import json, resource, sys, time
+import json, sys, time
 from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 from ckptbridge.merge import merge_lora
 import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
@@ -33,8 +33,10 @@ elif what == "o2s":
     convert_orbax_to_safetensors(src, dst, progress=False)
 elif what == "merge":
     merge_lora(src, sys.argv[4], dst, progress=False)
-print(json.dumps({"seconds": time.perf_counter() - t,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork)
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": hwm / 1024}))
 """
 
 

@@ -64,7 +64,6 @@ def main() -> None:
         batches[packing] = b
 
     # time training steps of the tiny model on both kinds of batches
-    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx

@@ -199,6 +199,8 @@ class OrbaxSource:
     entries: list[mapping.Entry]
     suffix: tuple[str, ...]  # ("value",) for trees saved from an nnx state with value levels
     config_dir: str | None  # where non-weight files come from when not stored in the checkpoint
+    _pending: tuple | None = None  # (entry, started read) of the leaf read ahead
+    _next: dict | None = None
 
     def path_of(self, entry: mapping.Entry) -> tuple[str, ...]:
         return entry.tunix_path + self.suffix
@@ -207,14 +209,27 @@ class OrbaxSource:
         return self.ckpt.leaves[self.path_of(entry)][1]
 
     def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
+        """The leaf of ``entry``; the next entry's leaf is then read in the background (direct
+        reader), so reading and decoding overlap the conversion and writing of this one."""
         p = self.path_of(entry)
-        return self.ckpt.read([p])[p]
+        pending, self._pending = self._pending, None
+        got = pending[1]() if pending is not None and pending[0] is entry else self.ckpt.read([p])
+        following = self._following().get(id(entry))
+        if following is not None:
+            self._pending = (following, self.ckpt.start_read([self.path_of(following)]))
+        return got[p]
+
+    def _following(self) -> dict[int, mapping.Entry]:
+        if self._next is None:
+            self._next = {id(a): b for a, b in zip(self.entries, self.entries[1:])}
+        return self._next
 
     def tunix_values(self) -> Iterator[tuple[mapping.Entry, np.ndarray]]:
         for e in self.entries:
             yield e, self.tunix_value(e)
 
     def close(self) -> None:
+        self._pending = None
         self.ckpt.close()
 
     def __enter__(self) -> "OrbaxSource":

@@ -254,24 +254,37 @@ class OrbaxLora:
     suffix: tuple[str, ...]
     scaling: dict[LoraModule, Scaling]
     metadata: dict
-    batch_bytes: int = 256 << 20  # factors read per Orbax restore call
+    batch_bytes: int = 128 << 20  # factors per read batch
     _ahead: dict = dataclasses.field(default_factory=dict)
+    _pending: tuple | None = None  # (modules, result of OrbaxCheckpoint.start_read) of the next batch
 
     def factors(self, mod: LoraModule) -> tuple[np.ndarray, np.ndarray]:
         """(A, B) of ``mod`` in Tunix layout. Modules are read in batches of about ``batch_bytes``
-        (one Orbax restore per batch instead of one per module: each call has a fixed cost, which
-        made a 31B rank-64 export 4x slower), in the order of ``scaling``; a factor is dropped from
-        the batch once handed out."""
+        (one read call per batch: with Orbax each call has a fixed cost, which made a 31B rank-64
+        export 4x slower), in the order of ``scaling``; once a batch is collected, the next one
+        is started, so it is read and decoded while this one is converted and written. A factor
+        is dropped once handed out."""
         if mod not in self._ahead:
-            self._read_batch(mod)
+            if self._pending is None or mod not in self._pending[0]:
+                self._pending = self._start_batch(mod)
+            batch, result = self._pending
+            got = result()
+            for m in batch:
+                self._ahead[m] = tuple(got[p] for p in self._leaves(m))
+            rest = self._order[self._order.index(batch[-1]) + 1:] if batch[-1] in self.scaling else []
+            self._pending = self._start_batch(rest[0]) if rest else None
         return self._ahead.pop(mod)
+
+    @property
+    def _order(self) -> list[LoraModule]:
+        return list(self.scaling)
 
     def _leaves(self, mod: LoraModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
         a, b = (leaf + self.suffix for leaf in mod.leaves)
         return a, b
 
-    def _read_batch(self, first: LoraModule) -> None:
-        order = list(self.scaling)
+    def _start_batch(self, first: LoraModule) -> tuple:
+        order = self._order
         batch, total = [], 0
         for mod in order[order.index(first):] if first in self.scaling else [first]:
             size = sum(int(np.prod(self.ckpt.leaves[p][0])) * np.dtype(self.ckpt.leaves[p][1]).itemsize
@@ -281,15 +294,14 @@ class OrbaxLora:
             if mod not in self._ahead:
                 batch.append(mod)
                 total += size
-        got = self.ckpt.read([p for mod in batch for p in self._leaves(mod)])
-        for mod in batch:
-            self._ahead[mod] = tuple(got[p] for p in self._leaves(mod))
+        return batch, self.ckpt.start_read([p for mod in batch for p in self._leaves(mod)])
 
     def dtype(self, mod: LoraModule) -> np.dtype:
         return self.ckpt.leaves[mod.leaves[0] + self.suffix][1]
 
     def close(self) -> None:
         self._ahead.clear()
+        self._pending = None
         self.ckpt.close()
 
     def __enter__(self):

@@ -1,16 +1,19 @@
 """``merge_lora``: base HF model + LoRA adapter -> merged HF model, streaming.
 
-Every base tensor is written in turn: tensors without LoRA are copied as raw bytes, in
-pieces; LoRA targets are merged a block of rows at a time, ``W + scale * B @ A`` accumulated
-in float32 and written in the base tensor's dtype. Memory stays at about one block plus the
-LoRA factors, whatever the model size.
+Every base tensor is written in turn: tensors without LoRA are copied as raw bytes, file to
+file in the kernel (``copy_file_range``); LoRA targets are merged a block of rows at a time,
+``W + scale * B @ A`` accumulated in float32 and written in the base tensor's dtype, by two
+threads up to 256 MB ahead of the writer. Memory stays at that window plus the LoRA factors,
+whatever the model size.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ckptbridge import lora
 from ckptbridge.convert import DEFAULT_MAX_SHARD_SIZE
@@ -20,20 +23,71 @@ from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of one block of merged rows
+WORKERS = 2  # threads merging blocks (numpy and BLAS release the GIL), ahead of the writer
+AHEAD_BYTES = 256 << 20  # merged output computed ahead of the writer, at most
 
 
-def _merged_rows(model: HFModelDir, key: str, scale: float, a: np.ndarray, b: np.ndarray):
-    info = model.info(key)
-    out_dim, in_dim = info.shape
-    rows = max(1, BLOCK_BYTES // (4 * in_dim))
-    a32 = a.astype(np.float32)
-    b32 = b.astype(np.float32) * np.float32(scale)
-    dtype = numpy_dtype(info.dtype)
-    f = model.file_of(key)
-    for start in range(0, out_dim, rows):
-        w = f.rows(key, start, start + rows).astype(np.float32)
-        w += b32[start:start + rows] @ a32
-        yield w.astype(dtype)
+class _Merger:
+    """The merged blocks of every LoRA target in write order, computed on ``pool`` (reading the
+    rows, the float32 product, the sum, the rounding) up to ``AHEAD_BYTES`` ahead of the writer,
+    also while the writer copies the tensors in between."""
+
+    def __init__(self, model: HFModelDir, deltas: dict, order: list[str], pool: ThreadPoolExecutor):
+        self.model, self.deltas, self.pool = model, deltas, pool
+        self.jobs: list[tuple[str, int, int, int]] = []  # (key, start row, stop row, output bytes)
+        self.first: dict[str, int] = {}
+        for key in order:
+            if key not in deltas:
+                continue
+            info = model.info(key)
+            out_dim, in_dim = info.shape
+            rows = max(1, BLOCK_BYTES // (4 * in_dim))
+            row_bytes = in_dim * numpy_dtype(info.dtype).itemsize
+            self.first[key] = len(self.jobs)
+            self.jobs += [(key, s, min(s + rows, out_dim), (min(s + rows, out_dim) - s) * row_bytes)
+                          for s in range(0, out_dim, rows)]
+        self.submitted = self.consumed = 0
+        self.ahead = 0  # output bytes submitted and not yet consumed
+        self.futures: dict[int, Future] = {}
+        self.factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def top_up(self) -> None:
+        while self.submitted < len(self.jobs) and (self.submitted <= self.consumed or self.ahead < AHEAD_BYTES):
+            key, start, stop, nbytes = self.jobs[self.submitted]
+            if key not in self.factors:
+                scale, a, b = self.deltas[key]
+                self.factors[key] = (a.astype(np.float32), b.astype(np.float32) * np.float32(scale))
+            self.futures[self.submitted] = self.pool.submit(self._block, key, start, stop)
+            self.submitted += 1
+            self.ahead += nbytes
+
+    def _block(self, key: str, start: int, stop: int) -> np.ndarray:
+        a32, b32 = self.factors[key]
+        merged = b32[start:stop] @ a32
+        merged += self.model.file_of(key).rows(key, start, stop)  # W becomes float32 inside the ufunc, piecewise
+        return merged.astype(numpy_dtype(self.model.info(key).dtype))
+
+    def merged_rows(self, key: str):
+        """The blocks of ``key``, in order."""
+        for j in range(self.first[key], len(self.jobs)):
+            if self.jobs[j][0] != key:
+                break
+            self.consumed = j
+            self.top_up()
+            block = self.futures.pop(j).result()
+            self.ahead -= self.jobs[j][3]
+            if j + 1 == len(self.jobs) or self.jobs[j + 1][0] != key:
+                del self.factors[key]
+            yield block
+
+    def copied(self, key: str):
+        """The bytes of an untouched tensor, copied file to file while blocks are merged ahead."""
+        self.top_up()
+        yield self.model.file_of(key).byte_range(key)
+
+    def cancel(self) -> None:
+        for fut in self.futures.values():
+            fut.cancel()
 
 
 def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, alpha: float | None = None,
@@ -49,25 +103,27 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
         raise ConfigError(f"--max-shard-size: {e}") from None
     check_destination(dst, [base, adapter], overwrite)
     b = lora.open_base(base)
-    with HFModelDir(base) as model, lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad:
+    with HFModelDir(base) as model, lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad, \
+            ThreadPoolExecutor(WORKERS, thread_name_prefix="merge") as pool, \
+            threadpool_limits(1, user_api="blas"):  # one BLAS thread per worker: 1.5x faster than 2 x 2 here
         deltas: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}
         for module, scale, (a, b_) in lora.hf_deltas(ad):
             key = f"{module}.weight"
             if key not in model:
                 raise MismatchError(f"{adapter}: LoRA for {module}, which the base {base} does not have")
             deltas[key] = (scale, np.array(a), np.array(b_))
+        merger = _Merger(model, deltas, model.keys(), pool)
         planned = []
         for key in model.keys():
             info = model.info(key)
-            dtype = numpy_dtype(info.dtype)
-            if key in deltas:
-                scale, a, b_ = deltas[key]
-                chunks = lambda key=key, scale=scale, a=a, b_=b_: _merged_rows(model, key, scale, a, b_)  # noqa: E731
-            else:
-                chunks = lambda key=key: model.file_of(key).raw_chunks(key)  # noqa: E731
-            planned.append(PlannedTensor(key, dtype, info.shape, chunks=chunks))
-        files = write_model_directory(dst, planned, model.config, shard_bytes, assets_from=base,
-                                      overwrite=overwrite, desc="merge", progress=progress)
+            chunks = merger.merged_rows if key in deltas else merger.copied
+            planned.append(PlannedTensor(key, numpy_dtype(info.dtype), info.shape,
+                                         chunks=lambda key=key, chunks=chunks: chunks(key)))
+        try:
+            files = write_model_directory(dst, planned, model.config, shard_bytes, assets_from=base,
+                                          overwrite=overwrite, desc="merge", progress=progress)
+        finally:
+            merger.cancel()
         return {
             "direction": "merge",
             "base": base,

@@ -9,7 +9,7 @@ import pytest
 from ckptbridge import lora
 from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
 from ckptbridge.errors import ConfigError, MismatchError, OutputError, UnsupportedError
-from ckptbridge.io.orbax import OrbaxCheckpoint
+from ckptbridge.io.orbax import OrbaxCheckpoint, nest
 from ckptbridge.io.safetensors import SafetensorsFile
 from ckptbridge.merge import merge_lora
 from ckptbridge.testing import LORA_TARGETS, build_peft_adapter, build_tunix_lora, save_tunix_lora
@@ -195,6 +195,35 @@ def test_round_trip_orbax_peft_orbax_is_bitwise(tunix_lora, tmp_path):
     base = lora.open_base(tunix_lora["base"])
     for mod in base.modules:  # the recorded rules give every module the same rank and alpha
         assert lora.scaling_from_rules(mod, rules_a, "a") == lora.scaling_from_rules(mod, rules_b, "b")
+
+
+def test_tunix_checkpoint_read_directly_equals_orbax_restore(tunix_lora):
+    """The LoRA tree Tunix's CheckpointManager wrote is read without Orbax (TensorStore directly),
+    leaf for leaf the bytes Orbax restores."""
+    import orbax.checkpoint as ocp
+
+    item = os.path.join(tunix_lora["root"], "3", "model_params")
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ckptr.metadata(item).item_metadata.tree
+    paths = []
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            walk(v, prefix + (k,)) if isinstance(v, dict) else paths.append(prefix + (k,))
+
+    walk(meta, ())
+    restore_args = nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in paths})
+    with ocp.PyTreeCheckpointer() as ckptr:
+        restored = ckptr.restore(item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    with OrbaxCheckpoint(item) as ck:
+        assert ck.reader == "tensorstore" and sorted(ck.leaves) == sorted(paths)
+        assert ck.ckptbridge_metadata["lora"]["rules"]
+        got = ck.read(paths)
+    for p in paths:
+        want = restored
+        for k in p:
+            want = want[k]
+        assert got[p].dtype == want.dtype and got[p].tobytes() == np.asarray(want).tobytes(), p
 
 
 def test_round_trip_peft_orbax_peft_keeps_deltas(peft_adapter, tmp_path):

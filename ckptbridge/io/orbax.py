@@ -4,8 +4,10 @@ This is the one module that knows Orbax's extension points. Writing uses Orbax's
 PyTree handler with a registered type handler for :class:`LazyArray` leaves: each leaf is
 produced (read + rearranged) only when Orbax serializes it, written, and dropped, so peak
 memory is about one tensor. The leaves are recorded as ``np.ndarray``, so a plain
-``StandardCheckpointer().restore(path)`` returns ordinary arrays. Reading restores a few
-leaves at a time with ``partial_restore``.
+``StandardCheckpointer().restore(path)`` returns ordinary arrays. Reading opens the arrays with
+TensorStore directly, the way Orbax's handlers do, when ``_METADATA`` describes a checkpoint of
+arrays in OCDBT or zarr directories (what Orbax and Tunix write); anything else is restored
+through Orbax, a few leaves at a time with ``partial_restore``.
 """
 
 from __future__ import annotations
@@ -115,18 +117,6 @@ def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_meta
     return os.path.join(root, str(step), item)
 
 
-def step_custom_metadata(step_dir: str) -> dict:
-    """Custom metadata of a checkpoint-manager step (``CheckpointManager.save(custom_metadata=...)``)."""
-    if not os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
-        return {}
-    ocp = _ocp()
-    try:
-        meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(os.path.abspath(step_dir))
-    except Exception:  # the step metadata file is JSON written by Orbax; damaged means none
-        return {}
-    return dict(getattr(meta, "custom_metadata", None) or {})
-
-
 def _looks_like_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "_METADATA"))
 
@@ -178,14 +168,106 @@ def nest(flat: Mapping[Path, Any]) -> dict:
     return root
 
 
-class OrbaxCheckpoint:
-    """Lazy reader of an Orbax PyTree checkpoint: tree metadata, custom metadata, leaves."""
+def _read_json(path: str):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def step_custom_metadata(path: str) -> dict:
+    """``custom_metadata`` of the ``_CHECKPOINT_METADATA`` JSON that Orbax writes into a checkpoint
+    or checkpoint-manager step directory (``save(..., custom_metadata=...)``); {} when absent or damaged."""
+    meta = _read_json(os.path.join(path, "_CHECKPOINT_METADATA"))
+    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+    return dict(custom) if isinstance(custom, dict) else {}
+
+
+ARRAY_VALUE_TYPES = ("np.ndarray", "jax.Array")
+
+
+class _TensorstoreLeaves:
+    """Leaves of an Orbax PyTree checkpoint read with TensorStore directly, the way Orbax's own
+    array handlers open them (``zarr``/``zarr3`` arrays named by their dot-joined key path, in
+    the checkpoint's OCDBT database or in one directory each), without importing Orbax or jax:
+    that import alone costs more than reading a rank-64 31B adapter. Many reads are in flight
+    at once and decoded on TensorStore's threads. Only a checkpoint whose ``_METADATA`` is
+    fully understood is read this way; anything else goes through Orbax (``_OrbaxLeaves``)."""
+
+    CONTEXT = {"file_io_concurrency": {"limit": 128}, "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}
+
+    def __init__(self, path: str, stores: dict):
+        self.path = path
+        self._stores = stores
+        self.leaves = {p: (tuple(int(s) for s in st.shape), np.dtype(st.dtype.numpy_dtype))
+                       for p, st in stores.items()}
+
+    @classmethod
+    def open(cls, path: str) -> "_TensorstoreLeaves | None":
+        meta = _read_json(os.path.join(path, "_METADATA"))
+        tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+        if not isinstance(tree, dict) or not tree:
+            return None
+        names: dict[Path, str] = {}
+        for entry in tree.values():
+            try:
+                keys = tuple(str(k["key"]) for k in entry["key_metadata"])
+                value = entry["value_metadata"]
+                if value["value_type"] not in ARRAY_VALUE_TYPES or value.get("skip_deserialize") or not keys:
+                    return None
+            except (KeyError, TypeError):
+                return None
+            names[keys] = ".".join(keys)
+        ocdbt = meta.get("use_ocdbt") is True
+        if ocdbt != os.path.isfile(os.path.join(path, "manifest.ocdbt")):
+            return None
+        driver = "zarr3" if meta.get("use_zarr3") is True else "zarr"
+        import tensorstore as ts  # imported here: a few hundred ms, only when reading Orbax
+
+        context = ts.Context(cls.CONTEXT)
+        base = {"driver": "file", "path": path + "/"}
+
+        def spec(name: str) -> dict:
+            kv = ({"driver": "ocdbt", "base": base, "path": name, "cache_pool": "cache_pool#ocdbt"} if ocdbt
+                  else {"driver": "file", "path": os.path.join(path, name) + "/"})
+            return {"driver": driver, "kvstore": kv, "recheck_cached_data": False,
+                    "recheck_cached_metadata": False, "fill_missing_data_reads": False}
+
+        try:
+            pending = {p: ts.open(spec(n), open=True, read=True, context=context) for p, n in names.items()}
+            stores = {p: f.result() for p, f in pending.items()}
+        except Exception as e:  # anything TensorStore cannot open is left to Orbax
+            log.debug("%s: reading through Orbax (%s: %s)", path, type(e).__name__, e)
+            return None
+        return cls(path, stores)
+
+    def start(self, paths: list[Path]) -> Callable[[], dict[Path, np.ndarray]]:
+        futures = {p: self._stores[p].read() for p in paths}
+
+        def result() -> dict[Path, np.ndarray]:
+            out = {}
+            for p, fut in futures.items():
+                try:
+                    out[p] = fut.result()
+                except Exception as e:
+                    raise CorruptFileError(
+                        f"{self.path}: cannot read {'/'.join(p)} ({type(e).__name__}: {str(e)[:200]}); "
+                        "the checkpoint is damaged"
+                    ) from None
+            return out
+
+        return result
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
+class _OrbaxLeaves:
+    """Leaves of any checkpoint Orbax can restore, a few at a time with ``partial_restore``."""
 
     def __init__(self, path: str):
-        # Orbax resolves relative paths inconsistently (metadata of a relative path reads as None).
-        self.path = path = os.path.abspath(path)
-        if not _looks_like_checkpoint(path):
-            raise InputNotFoundError(f"{path}: not an Orbax checkpoint (no _METADATA file)")
+        self.path = path
         ocp = _ocp()
         self._ckptr = ocp.PyTreeCheckpointer()
         try:
@@ -199,8 +281,6 @@ class OrbaxCheckpoint:
                 f"{path}: Orbax metadata cannot be read ({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged"
             ) from None
         self.custom_metadata: dict = dict(getattr(meta, "custom_metadata", None) or {})
-        if not self.custom_metadata:  # an item of a checkpoint-manager step: metadata sits on the step
-            self.custom_metadata = step_custom_metadata(os.path.dirname(path))
         self.leaves: dict[Path, tuple[tuple[int, ...], np.dtype]] = {}
         for p, v in _flatten(tree).items():
             shape = getattr(v, "shape", None)
@@ -209,20 +289,11 @@ class OrbaxCheckpoint:
                 raise CorruptFileError(f"{path}: leaf {'/'.join(p)} is not an array; not a weights checkpoint")
             self.leaves[p] = (tuple(int(s) for s in shape), np.dtype(dtype))
 
-    @property
-    def value_suffix(self) -> tuple[str, ...]:
-        """``("value",)`` when every leaf ends in nnx's ``value`` level (a saved nnx State), else ``()``."""
-        return ("value",) if self.leaves and all(p[-1] == "value" for p in self.leaves) else ()
+    def start(self, paths: list[Path]) -> Callable[[], dict[Path, np.ndarray]]:
+        return lambda: self._restore(paths)
 
-    @property
-    def ckptbridge_metadata(self) -> dict:
-        m = self.custom_metadata.get(METADATA_KEY)
-        return m if isinstance(m, dict) else {}
-
-    def read(self, paths: Iterable[Path]) -> dict[Path, np.ndarray]:
-        """Restore only the given leaves, as numpy arrays in their stored dtype."""
+    def _restore(self, paths: list[Path]) -> dict[Path, np.ndarray]:
         ocp = _ocp()
-        paths = list(paths)
         item = nest({p: np.zeros(0) for p in paths})
         restore_args = nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in paths})
         try:
@@ -236,19 +307,66 @@ class OrbaxCheckpoint:
                 "the checkpoint is damaged"
             ) from None
         flat = _flatten(out)
-        result = {}
-        for p in paths:
-            arr = np.asarray(flat[p])
-            shape, dtype = self.leaves[p]
-            if arr.shape != shape or arr.dtype != dtype:
-                raise CorruptFileError(
-                    f"{self.path}: leaf {'/'.join(p)} reads as {arr.dtype} {arr.shape}, metadata says {dtype} {shape}"
-                )
-            result[p] = arr
-        return result
+        return {p: np.asarray(flat[p]) for p in paths}
 
     def close(self) -> None:
         self._ckptr.close()
+
+
+class OrbaxCheckpoint:
+    """Lazy reader of an Orbax PyTree checkpoint: tree metadata, custom metadata, leaves.
+
+    ``reader`` says how leaves are read: ``"tensorstore"`` (directly, see
+    :class:`_TensorstoreLeaves`) or ``"orbax"``."""
+
+    def __init__(self, path: str):
+        # Orbax resolves relative paths inconsistently (metadata of a relative path reads as None).
+        self.path = path = os.path.abspath(path)
+        if not _looks_like_checkpoint(path):
+            raise InputNotFoundError(f"{path}: not an Orbax checkpoint (no _METADATA file)")
+        direct = _TensorstoreLeaves.open(path)
+        self._impl = direct if direct is not None else _OrbaxLeaves(path)
+        self.reader = "tensorstore" if direct is not None else "orbax"
+        self.custom_metadata: dict = getattr(self._impl, "custom_metadata", None) or step_custom_metadata(path)
+        if not self.custom_metadata:  # an item of a checkpoint-manager step: metadata sits on the step
+            self.custom_metadata = step_custom_metadata(os.path.dirname(path))
+        self.leaves: dict[Path, tuple[tuple[int, ...], np.dtype]] = self._impl.leaves
+
+    @property
+    def value_suffix(self) -> tuple[str, ...]:
+        """``("value",)`` when every leaf ends in nnx's ``value`` level (a saved nnx State), else ``()``."""
+        return ("value",) if self.leaves and all(p[-1] == "value" for p in self.leaves) else ()
+
+    @property
+    def ckptbridge_metadata(self) -> dict:
+        m = self.custom_metadata.get(METADATA_KEY)
+        return m if isinstance(m, dict) else {}
+
+    def start_read(self, paths: Iterable[Path]) -> Callable[[], dict[Path, np.ndarray]]:
+        """Begin reading the given leaves; call the result for them (numpy, stored dtype). With
+        the direct reader the bytes are read and decoded in the background meanwhile."""
+        paths = list(paths)
+        pending = self._impl.start(paths)
+
+        def result() -> dict[Path, np.ndarray]:
+            got = pending()
+            for p in paths:
+                arr, (shape, dtype) = got[p], self.leaves[p]
+                if arr.shape != shape or arr.dtype != dtype:
+                    raise CorruptFileError(
+                        f"{self.path}: leaf {'/'.join(p)} reads as {arr.dtype} {arr.shape}, "
+                        f"metadata says {dtype} {shape}"
+                    )
+            return got
+
+        return result
+
+    def read(self, paths: Iterable[Path]) -> dict[Path, np.ndarray]:
+        """Read only the given leaves, as numpy arrays in their stored dtype."""
+        return self.start_read(paths)()
+
+    def close(self) -> None:
+        self._impl.close()
 
     def __enter__(self) -> "OrbaxCheckpoint":
         return self

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Mapping
 
 import ml_dtypes
@@ -169,6 +170,12 @@ class SafetensorsFile:
         self._read_into(part, out.reshape(-1).view(np.uint8))
         return out
 
+    def byte_range(self, name: str) -> "FileRange":
+        """Where tensor ``name``'s bytes lie in this file, for :func:`write_file` to copy them
+        file to file without reading them into memory."""
+        i = self.infos[name]
+        return FileRange(self._file.fileno(), i.begin, i.end, self.path, name)
+
     def raw_chunks(self, name: str, chunk_bytes: int = 64 << 20):
         """The stored bytes of tensor ``name`` in pieces of at most ``chunk_bytes``."""
         i = self.infos[name]
@@ -204,6 +211,21 @@ class SafetensorsFile:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class FileRange:
+    """Bytes ``begin:end`` of an open file (``fd``), as a piece of a tensor to write."""
+
+    fd: int
+    begin: int
+    end: int
+    path: str
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
 @dataclasses.dataclass
 class PlannedTensor:
     """A tensor to write: its name, dtype and shape now, its values when ``produce`` is called."""
@@ -212,7 +234,7 @@ class PlannedTensor:
     dtype: np.dtype
     shape: tuple[int, ...]
     produce: Callable[[], np.ndarray] | None = None
-    # Alternative to produce: the tensor's bytes (buffers or arrays), in order, piece by piece.
+    # Alternative to produce: the tensor's bytes (buffers, arrays or FileRanges), in order, piece by piece.
     chunks: Callable[[], Iterable] | None = None
 
     @property
@@ -250,27 +272,107 @@ def _bytes_of(piece) -> memoryview:
     return memoryview(piece).cast("B")
 
 
+COPY_STEP = 256 << 20  # bytes per copy_file_range call
+WRITEBACK_EVERY = 256 << 20  # start writing dirty pages to disk after this many bytes
+
+
+class _Output:
+    """An output file written with unbuffered writes. Every ``WRITEBACK_EVERY`` bytes, a
+    background thread hands the pages written so far to the kernel's writeback
+    (``posix_fadvise(DONTNEED)``, which blocks until the disk has queued them), so the disk
+    writes while the next tensors are produced and the closing fsync has little left to do."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.f = open(path, "wb", buffering=0)
+        self.fd = self.f.fileno()
+        self.pos = 0
+        self.flushed = 0
+        self.can_copy = hasattr(os, "copy_file_range")
+        self._flusher: ThreadPoolExecutor | None = None
+        self._flushing: Future | None = None
+
+    def write(self, data: memoryview) -> None:
+        done = 0
+        while done < data.nbytes:
+            done += os.write(self.fd, data[done:done + (1 << 30)])
+        self.pos += done
+        self._writeback()
+
+    def copy(self, src: FileRange) -> None:
+        """Copy ``src`` in the kernel (copy_file_range); read + write where that is not possible."""
+        offset = src.begin
+        while offset < src.end:
+            n = min(COPY_STEP, src.end - offset)
+            got = 0
+            if self.can_copy:
+                try:
+                    got = os.copy_file_range(src.fd, self.fd, n, offset, self.pos)
+                except OSError:  # another filesystem, or not supported here: copy through memory
+                    self.can_copy = False
+            if not self.can_copy:
+                buf = memoryview(os.pread(src.fd, min(n, 64 << 20), offset))
+                got = buf.nbytes
+                done = 0
+                while done < got:
+                    done += os.pwrite(self.fd, buf[done:], self.pos + done)
+            if got <= 0:
+                raise CorruptFileError(f"{src.path}: tensor {src.name!r} ends early (file changed or truncated)")
+            offset += got
+            self.pos += got
+            os.lseek(self.fd, self.pos, os.SEEK_SET)
+            self._writeback()
+
+    def _writeback(self) -> None:
+        if self.pos - self.flushed < WRITEBACK_EVERY or not hasattr(os, "posix_fadvise"):
+            return
+        if self._flushing is not None:
+            if not self._flushing.done():
+                return  # the disk is behind; hand over a larger range next time
+            self._flushing.result()
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(1, thread_name_prefix="writeback")
+        self._flushing = self._flusher.submit(os.posix_fadvise, self.fd, self.flushed, self.pos - self.flushed,
+                                              os.POSIX_FADV_DONTNEED)
+        self.flushed = self.pos
+
+    def close(self, sync: bool) -> None:
+        try:
+            if self._flusher is not None:
+                self._flusher.shutdown(wait=True)
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            self.f.close()
+
+
 def write_file(path: str, tensors: list[PlannedTensor], metadata: Mapping[str, str] | None = None,
                on_tensor: Callable[[PlannedTensor], None] | None = None) -> int:
     """Write one safetensors file tensor by tensor (the header is known up front). Returns bytes."""
     metadata = {"format": "pt", **(metadata or {})}
-    with open(path, "wb") as f:
-        f.write(_header_bytes(tensors, metadata))
+    out = _Output(path)
+    ok = False
+    try:
+        out.write(memoryview(_header_bytes(tensors, metadata)))
         for t in tensors:
             pieces = t.chunks() if t.chunks is not None else [_checked(path, t, t.produce())]
-            written = 0
+            start = out.pos
             for piece in pieces:
-                data = _bytes_of(piece)
-                f.write(data)
-                written += data.nbytes
+                if isinstance(piece, FileRange):
+                    out.copy(piece)
+                else:
+                    out.write(_bytes_of(piece))
             del pieces
-            if written != t.nbytes:
-                raise MismatchError(f"{path}: tensor {t.name!r} came out as {written} bytes, planned {t.nbytes}")
+            if out.pos - start != t.nbytes:
+                raise MismatchError(
+                    f"{path}: tensor {t.name!r} came out as {out.pos - start} bytes, planned {t.nbytes}"
+                )
             if on_tensor is not None:
                 on_tensor(t)
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
+        ok = True
+        return out.pos
+    finally:
+        out.close(sync=ok)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
