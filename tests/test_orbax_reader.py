@@ -127,3 +127,21 @@ def test_metadata_not_understood_falls_back_to_orbax(tmp_path):
         assert ck.reader == "orbax"
         got = ck.read(list(ck.leaves))
     assert flat(nest(got)).keys() == flat(tree()).keys()
+
+
+def test_key_paths_are_not_followed_out_of_the_checkpoint(tmp_path):
+    """A key that would name a path (``..``, ``/``) is never opened directly."""
+    from ckptbridge.io.orbax import _TensorstoreLeaves
+
+    path = str(tmp_path / "ckpt")
+    save(path, tree(), use_ocdbt=False)
+    meta_path = os.path.join(path, "_METADATA")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    entry = next(iter(meta["tree_metadata"].values()))
+    assert _TensorstoreLeaves.open(path) is not None
+    for bad in ("..", "a/b"):
+        entry["key_metadata"][0]["key"] = bad
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+        assert _TensorstoreLeaves.open(path) is None

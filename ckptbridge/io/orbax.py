@@ -219,6 +219,8 @@ class _TensorstoreLeaves:
             except (KeyError, TypeError):
                 return None
             names[keys] = ".".join(keys)
+            if "/" in names[keys] or names[keys].startswith("."):  # never a name Orbax writes; not a path to follow
+                return None
         ocdbt = meta.get("use_ocdbt") is True
         if ocdbt != os.path.isfile(os.path.join(path, "manifest.ocdbt")):
             return None
