@@ -35,7 +35,7 @@ class _Merger:
     def __init__(self, model: HFModelDir, deltas: dict, order: list[str], pool: ThreadPoolExecutor):
         self.model, self.deltas, self.pool = model, deltas, pool
         self.jobs: list[tuple[str, int, int, int]] = []  # (key, start row, stop row, output bytes)
-        self.first: dict[str, int] = {}
+        self.span: dict[str, range] = {}  # key -> indices of its jobs
         for key in order:
             if key not in deltas:
                 continue
@@ -43,9 +43,10 @@ class _Merger:
             out_dim, in_dim = info.shape
             rows = max(1, BLOCK_BYTES // (4 * in_dim))
             row_bytes = in_dim * numpy_dtype(info.dtype).itemsize
-            self.first[key] = len(self.jobs)
+            first = len(self.jobs)
             self.jobs += [(key, s, min(s + rows, out_dim), (min(s + rows, out_dim) - s) * row_bytes)
                           for s in range(0, out_dim, rows)]
+            self.span[key] = range(first, len(self.jobs))
         self.submitted = self.consumed = 0
         self.ahead = 0  # output bytes submitted and not yet consumed
         self.futures: dict[int, Future] = {}
@@ -69,14 +70,13 @@ class _Merger:
 
     def merged_rows(self, key: str):
         """The blocks of ``key``, in order."""
-        for j in range(self.first[key], len(self.jobs)):
-            if self.jobs[j][0] != key:
-                break
+        span = self.span[key]
+        for j in span:
             self.consumed = j
             self.top_up()
             block = self.futures.pop(j).result()
             self.ahead -= self.jobs[j][3]
-            if j + 1 == len(self.jobs) or self.jobs[j + 1][0] != key:
+            if j == span[-1]:
                 del self.factors[key]
             yield block
 

@@ -304,24 +304,25 @@ class _Output:
         offset = src.begin
         while offset < src.end:
             n = min(COPY_STEP, src.end - offset)
-            got = 0
-            if self.can_copy:
-                try:
-                    got = os.copy_file_range(src.fd, self.fd, n, offset, self.pos)
-                except OSError:  # another filesystem, or not supported here: copy through memory
-                    self.can_copy = False
+            got = self._copy_in_kernel(src.fd, offset, n) if self.can_copy else 0
             if not self.can_copy:
-                buf = memoryview(os.pread(src.fd, min(n, 64 << 20), offset))
-                got = buf.nbytes
-                done = 0
-                while done < got:
-                    done += os.pwrite(self.fd, buf[done:], self.pos + done)
+                buf = os.pread(src.fd, min(n, 64 << 20), offset)
+                got = len(buf)
+                self.write(memoryview(buf))
             if got <= 0:
                 raise CorruptFileError(f"{src.path}: tensor {src.name!r} ends early (file changed or truncated)")
             offset += got
-            self.pos += got
-            os.lseek(self.fd, self.pos, os.SEEK_SET)
-            self._writeback()
+
+    def _copy_in_kernel(self, fd: int, offset: int, n: int) -> int:
+        try:
+            got = os.copy_file_range(fd, self.fd, n, offset, self.pos)
+        except OSError:  # another filesystem, or not supported here: the caller copies through memory
+            self.can_copy = False
+            return 0
+        self.pos += got
+        os.lseek(self.fd, self.pos, os.SEEK_SET)  # where the next write() goes
+        self._writeback()
+        return got
 
     def _writeback(self) -> None:
         if self.pos - self.flushed < WRITEBACK_EVERY or not hasattr(os, "posix_fadvise"):
