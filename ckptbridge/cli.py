@@ -8,6 +8,8 @@
     ckptbridge inspect PATH [--json]
     ckptbridge verify logits HF_DIR [--tunix SRC]
     ckptbridge verify tensors A B
+    ckptbridge verify adapter ADAPTER --base BASE [--target hf|vllm] [--prompt TEXT | --ids 1,2,3] [--lint-only]
+    ckptbridge verify served --url URL --model NAME --base BASE [--adapter DIR] [--ids ...] [--tokens N]
 
 Errors end in one line on stderr (``ckptbridge: error: ...``) and a non-zero exit code that
 tells the kind of failure (see ``docs/reliability.md``).
@@ -170,6 +172,66 @@ def cmd_verify_tensors(args) -> int:
     return 0 if r["identical"] else 6
 
 
+def _adapter_text(r: dict) -> str:
+    lint = r["lint"]
+    lines = [f"verify adapter {r['adapter']} ({lint['kind']}, target {lint['target']}) on {r['base']}: "
+             f"{lint['modules']} modules, max rank {lint['max_rank']}"]
+    lines += [f"  lint: {f['severity']}: [{f['check']}] {f['message']}" for f in lint["findings"]]
+    errors = sum(f["severity"] == "error" for f in lint["findings"])
+    lines.append(f"  lint: {'OK' if not errors else 'FAIL'} ({errors} errors, "
+                 f"{sum(f['severity'] == 'warning' for f in lint['findings'])} warnings)")
+    live, exact = r.get("live"), r.get("exact")
+    if live is not None:
+        if "rel_change" in live:
+            lines.append(f"  live: {'OK' if live['ok'] else 'FAIL'}: the adapter changes the logits by "
+                         f"{live['rel_change']:.3e} (relative L2 over {r['tokens']} tokens; not live below "
+                         f"{live['tolerance']:g}); PEFT applied {live['applied_modules']} modules")
+        else:
+            lines.append(f"  live: FAIL: {live.get('error') or live.get('skipped')}")
+    if exact is not None:
+        if "rel_l2" in exact:
+            lines.append(f"  exact: {'OK' if exact['ok'] else 'FAIL'}: transformers+PEFT vs Tunix+qwix relative L2 "
+                         f"{exact['rel_l2']:.3e} (tolerance {exact['tolerance']:g}, float32, via {exact['via']})")
+        else:
+            lines.append(f"  exact: skipped: {exact['skipped']}")
+    lines.append("-> OK" if r["ok"] else "-> FAIL")
+    return "\n".join(lines)
+
+
+def cmd_verify_adapter(args) -> int:
+    from ckptbridge.adapter_check import parse_ids, verify_adapter
+
+    r = verify_adapter(args.adapter, args.base, target=args.target, ids=parse_ids(args.ids) if args.ids else None,
+                       prompt=args.prompt, step=args.step, alpha=args.alpha, lint_only=args.lint_only,
+                       exact=not args.no_exact, live_tolerance=args.live_tolerance, tolerance=args.tolerance)
+    _emit(args, r, _adapter_text(r))
+    return 0 if r["ok"] else 6
+
+
+def cmd_verify_served(args) -> int:
+    from ckptbridge.adapter_check import parse_ids
+    from ckptbridge.verify import served_parity
+
+    if args.tokens < 1:
+        raise CkptBridgeError("--tokens must be at least 1")
+    r = served_parity(args.url, args.model, args.base, adapter=args.adapter,
+                      ids=parse_ids(args.ids) if args.ids else None, tokens=args.tokens, step=args.step,
+                      alpha=args.alpha)
+    ref = f"transformers{' + PEFT ' + args.adapter if args.adapter else ''} (float32)"
+    if r["equal"]:
+        text = f"verify served: {args.model} at {args.url}: {r['tokens']} greedy tokens equal {ref} -> OK"
+    else:
+        i = r["first_divergence"]
+        got = r["server"][i] if i < len(r["server"]) else "none"
+        want = r["reference"][i] if i < len(r["reference"]) else "none"
+        text = (f"verify served: {args.model} at {args.url}: greedy tokens leave {ref} at position {i} of {r['tokens']} "
+                f"(server {got}, reference {want}) -> FAIL\n  a server computing in bfloat16 (vLLM's --dtype auto on "
+                "a float32 checkpoint) can diverge: serve with --dtype float32; an adapter exported for transformers "
+                "diverges on k_eq_v layers: check it with `ckptbridge verify adapter ADAPTER --base BASE --target vllm`")
+    _emit(args, r, text)
+    return 0 if r["equal"] else 6
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckptbridge",
@@ -290,6 +352,46 @@ def build_parser() -> argparse.ArgumentParser:
     vt.add_argument("b", metavar="B")
     vt.add_argument("--json", action="store_true")
     vt.set_defaults(func=cmd_verify_tensors)
+
+    va = vsub.add_parser(
+        "adapter", help="prove a LoRA adapter is live and exact for its base", epilog=EPILOG,
+        description="lint (files only): targets, shapes, ranks, vLLM needs (k_eq_v v_proj copies, --max-lora-rank), "
+        "DoRA / modules_to_save / biases, the recorded base; live: the adapter moves BASE's logits "
+        "(transformers+PEFT); exact: transformers+PEFT vs Tunix+qwix logits of the same adapter, converted through "
+        "ckptbridge (float32). One line per finding with its fix; exit 6 when the adapter is wrong in its target.")
+    va.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Tunix/qwix Orbax LoRA checkpoint")
+    va.add_argument("--base", required=True, help="HF base model directory")
+    va.add_argument("--target", choices=["hf", "vllm"], default="hf",
+                    help="where the adapter will run: hf (transformers/PEFT, default) or vllm")
+    toks = va.add_mutually_exclusive_group()
+    toks.add_argument("--prompt", metavar="TEXT", help="text to check on (BASE's tokenizer)")
+    toks.add_argument("--ids", metavar="1,2,3", help="token ids to check on (default: 24 random ids, seed 0)")
+    va.add_argument("--lint-only", action="store_true", help="files only: no model is loaded")
+    va.add_argument("--no-exact", action="store_true", help="skip the Tunix+qwix comparison")
+    va.add_argument("--step", type=int, help="step of an Orbax checkpoint root (default: latest)")
+    va.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax checkpoint that does not record it")
+    va.add_argument("--tolerance", type=float, default=1e-4,
+                    help="largest relative L2 between the two frameworks (default 1e-4)")
+    va.add_argument("--live-tolerance", type=float, default=1e-6,
+                    help="smallest relative change of the logits that counts as live (default 1e-6)")
+    va.add_argument("--json", action="store_true")
+    va.set_defaults(func=cmd_verify_adapter)
+
+    vs = vsub.add_parser(
+        "served", help="greedy tokens of a running server vs transformers (+PEFT)", epilog=EPILOG,
+        description="Ask a running OpenAI-compatible server (vLLM) for the greedy token ids of a prompt and compare "
+        "them with transformers (+ PEFT with --adapter) on the same ids, in float32; reports the first divergent "
+        "position.")
+    vs.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    vs.add_argument("--model", required=True, help="served model or adapter name")
+    vs.add_argument("--base", required=True, help="HF base model directory the server serves")
+    vs.add_argument("--adapter", help="the adapter served as --model (PEFT directory or Orbax LoRA checkpoint)")
+    vs.add_argument("--ids", metavar="1,2,3", help="prompt token ids (default: 12 random ids, seed 0)")
+    vs.add_argument("--tokens", type=int, default=16, help="greedy tokens to compare (default 16)")
+    vs.add_argument("--step", type=int, help="step of an Orbax --adapter root (default: latest)")
+    vs.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax --adapter that does not record it")
+    vs.add_argument("--json", action="store_true")
+    vs.set_defaults(func=cmd_verify_served)
     return p
 
 

@@ -254,9 +254,9 @@ def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: f
     from peft import LoraConfig, get_peft_model
 
     from ckptbridge.config import read_config_file
-    from ckptbridge.verify import _hf_model_class
+    from ckptbridge.verify import hf_model_class
 
-    cls = _hf_model_class(read_config_file(os.path.join(base_dir, "config.json")))
+    cls = hf_model_class(base_dir)
     base = cls.from_pretrained(base_dir, dtype=torch.float32)
     lang = "language_model" if read_config_file(os.path.join(base_dir, "config.json"))["model_type"] == "gemma4" else "model"
     target = target_modules or rf".*{lang}.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"

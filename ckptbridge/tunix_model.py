@@ -116,6 +116,23 @@ def _open_source(src: str, step: int | None, skip_multimodal: bool):
     return open_orbax_source(src, step=step)
 
 
+def _key(node: dict, k: str):
+    """Pure-dict key of a path part: nnx keeps list indices (layers) as ints."""
+    return int(k) if (k.isdigit() and int(k) in node) else k
+
+
+def _lookup(tree: dict, path: tuple[str, ...]):
+    node = tree
+    for k in path:
+        node = node[_key(node, k)]
+    return node
+
+
+def _assign(tree: dict, path: tuple[str, ...], value) -> None:
+    parent = _lookup(tree, path[:-1])
+    parent[_key(parent, path[-1])] = value
+
+
 def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any = None,
                      step: int | None = None, skip_multimodal: bool = False, remat: str | None = None):
     """A Tunix ``Gemma4`` with the weights of ``src`` (HF directory or ckptbridge Orbax checkpoint).
@@ -137,32 +154,19 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
         pure = abs_state.to_pure_dict()
         shardings = nnx.get_named_sharding(abs_state, mesh).to_pure_dict() if mesh is not None else None
 
-        def lookup(tree: dict, path: tuple[str, ...]):
-            node = tree
-            for k in path:
-                node = node[int(k)] if (k.isdigit() and int(k) in node) else node[k]
-            return node
-
-        def assign(tree: dict, path: tuple[str, ...], value) -> None:
-            node = tree
-            for k in path[:-1]:
-                node = node[int(k)] if (k.isdigit() and int(k) in node) else node[k]
-            last = path[-1]
-            node[int(last) if (last.isdigit() and int(last) in node) else last] = value
-
         filled = 0
         for e in source.entries:
-            target = lookup(pure, e.tunix_path)
+            target = _lookup(pure, e.tunix_path)
             value = np.asarray(source.tunix_value(e))
             if tuple(value.shape) != tuple(target.shape):
                 raise UnsupportedError(
                     f"{e.tunix_name}: Tunix expects {tuple(target.shape)}, the map gives {value.shape}"
                 )
             value = value.astype(pdtype, copy=False)
-            device = lookup(shardings, e.tunix_path) if shardings is not None else jax.devices()[0]
+            device = _lookup(shardings, e.tunix_path) if shardings is not None else jax.devices()[0]
             if shardings is not None:
                 _check_divisible(e.tunix_name, value.shape, device)
-            assign(pure, e.tunix_path, jax.device_put(value, device))
+            _assign(pure, e.tunix_path, jax.device_put(value, device))
             filled += 1
         leaves = len(jax.tree_util.tree_leaves(pure))
         if filled != leaves:
@@ -242,3 +246,40 @@ def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None,
     finally:
         manager.close()
     return model, restored, rules
+
+
+def load_tunix_adapter(base: str, src: str, *, step: int | None = None, alpha: float | None = None,
+                       dtype: Any = np.float32):
+    """The Tunix base model with qwix LoRA for a LoRA checkpoint in any form ``orbax-to-peft``
+    accepts (checkpoint-manager root, step, ``model_params``; rules recorded or ``alpha`` given):
+    the qwix rules come from the checkpoint's validated ranks and alphas, the factors are read
+    with ckptbridge's Orbax reader. For inference checks (float32 by default)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ckptbridge import lora
+
+    b = lora.open_base(base)
+    with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
+        rules = lora.rules_for(ad.scaling, b.modules)
+        model, _ = load_tunix_model(base, param_dtype=dtype, dtype=dtype)
+        model = apply_lora_rules(model, rules)
+        state = nnx.state(model, nnx.LoRAParam)
+        pure = state.to_pure_dict()
+        filled = 0
+        for mod in ad.scaling:
+            for leaf, value in zip(mod.leaves, ad.factors(mod)):
+                target = _lookup(pure, leaf)
+                if tuple(target.shape) != tuple(value.shape):
+                    raise UnsupportedError(f"{'/'.join(leaf)}: qwix made {tuple(target.shape)}, the checkpoint has "
+                                           f"{value.shape}")
+                _assign(pure, leaf, jnp.asarray(np.asarray(value, np.float32).astype(dtype)))
+                filled += 1
+    import jax
+
+    leaves = len(jax.tree_util.tree_leaves(pure))
+    if filled != leaves:
+        raise UnsupportedError(f"{src}: filled {filled} of the {leaves} LoRA parameters qwix created")
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+    return model

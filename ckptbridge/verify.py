@@ -38,9 +38,13 @@ def compare_tensors(a: str, b: str) -> dict:
         }
 
 
-def _hf_model_class(hf_config: dict):
+def hf_model_class(model_dir: str):
+    """The transformers class that loads the HF model directory ``model_dir``."""
     import transformers
 
+    from ckptbridge.config import read_config_file
+
+    hf_config = read_config_file(os.path.join(model_dir, "config.json"))
     if hf_config.get("model_type") == "gemma4":
         return transformers.Gemma4ForConditionalGeneration
     return transformers.AutoModelForCausalLM
@@ -50,12 +54,10 @@ def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
     """Logits of the HF model in ``hf_dir`` (float32, eager attention) for ``tokens`` (B, T)."""
     import torch
 
-    from ckptbridge.config import read_config_file
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    cls = _hf_model_class(read_config_file(os.path.join(hf_dir, "config.json")))
+    cls = hf_model_class(hf_dir)
     model = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
@@ -67,10 +69,8 @@ def peft_logits(base_dir: str, adapter_dir: str, tokens: np.ndarray) -> np.ndarr
     from peft import PeftModel
     from transformers.utils import logging as hf_logging
 
-    from ckptbridge.config import read_config_file
-
     hf_logging.disable_progress_bar()
-    cls = _hf_model_class(read_config_file(os.path.join(base_dir, "config.json")))
+    cls = hf_model_class(base_dir)
     base = cls.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     with torch.no_grad():
@@ -82,10 +82,8 @@ def hf_greedy(base_dir: str, adapter_dir: str | None, ids: list[int], n: int) ->
     import torch
     from transformers.utils import logging as hf_logging
 
-    from ckptbridge.config import read_config_file
-
     hf_logging.disable_progress_bar()
-    cls = _hf_model_class(read_config_file(os.path.join(base_dir, "config.json")))
+    cls = hf_model_class(base_dir)
     model = cls.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir:
         from peft import PeftModel
@@ -139,3 +137,55 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
         "max_abs_diff": float(np.max(np.abs(ours - ref))),
         "argmax_agreement": float(np.mean(ours.argmax(-1) == ref.argmax(-1))),
     }
+
+
+def server_greedy(url: str, model: str, ids: list[int], n: int, timeout: float = 300.0) -> list[int]:
+    """``n`` greedy token ids after ``ids`` from an OpenAI-compatible server (``/v1/completions``
+    with the prompt as token ids, temperature 0, end-of-sequence held off for ``n`` tokens)."""
+    import httpx
+
+    from ckptbridge.errors import ConfigError, InputNotFoundError
+
+    body = {"model": model, "prompt": ids, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
+            "temperature": 0.0, "return_token_ids": True}
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise InputNotFoundError(f"{url}: no answer from the server ({type(e).__name__}: {e}); is it running?") from None
+    if r.status_code != 200:
+        try:
+            reason = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = r.text[:300]
+        raise ConfigError(f"{url}: completions for model {model!r} failed with HTTP {r.status_code}: {reason}")
+    choice = (r.json().get("choices") or [{}])[0]
+    tokens = choice.get("token_ids")
+    if not isinstance(tokens, list):
+        raise ConfigError(f"{url}: the server returned no token ids (return_token_ids); verify served needs a vLLM "
+                          "server (>= 0.10)")
+    return [int(t) for t in tokens]
+
+
+def served_parity(url: str, model: str, base: str, *, adapter: str | None = None, ids: list[int] | None = None,
+                  tokens: int = 16, step: int | None = None, alpha: float | None = None) -> dict:
+    """Greedy token ids of ``model`` on a running server against transformers (+ PEFT with
+    ``adapter``, a PEFT directory or an Orbax LoRA checkpoint) in float32 on the same ids."""
+    import tempfile
+
+    from ckptbridge.adapter_check import adapter_kind, prompt_ids
+
+    ids = prompt_ids(base, ids=ids, length=12)
+    got = server_greedy(url, model, ids, tokens)
+    with tempfile.TemporaryDirectory(prefix="ckptbridge-served-") as tmp:
+        peft_dir = adapter
+        if adapter and adapter_kind(adapter) == "orbax":
+            from ckptbridge.adapters import convert_orbax_to_peft
+
+            peft_dir = os.path.join(tmp, "peft")
+            convert_orbax_to_peft(adapter, peft_dir, base=base, step=step, alpha=alpha, progress=False)
+        want = hf_greedy(base, peft_dir, ids, tokens)
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if first is None and len(got) != len(want):
+        first = min(len(got), len(want))
+    return {"url": url, "model": model, "base": base, "adapter": adapter, "prompt_ids": ids, "tokens": tokens,
+            "server": got, "reference": want, "equal": first is None, "first_divergence": first}

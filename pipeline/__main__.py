@@ -7,7 +7,8 @@
     data (or ``--data``);
  4. the training checkpoint -> PEFT adapter (``--target vllm`` and for transformers) with no
     extra flags, and -> merged model (``merge_lora``); Tunix vs PEFT vs merged logits;
- 5. vLLM (cpu profile) serving the base with the adapter; adapter tokens vs transformers + PEFT;
+ 5. vLLM (cpu profile) serving the base with the adapter; its greedy tokens vs transformers + PEFT
+    (``ckptbridge verify served``);
  6. a short ``bench`` sweep; 7. ``eval generate`` + ``eval score`` on the bundled problems (or
     ``--problems``);
  8. ``out/report.md`` + ``report.json`` + the PNGs.
@@ -86,7 +87,8 @@ def run(args) -> dict:
     from ckptbridge.merge import merge_lora
     from ckptbridge.testing import build_checkpoint
     from ckptbridge.tunix_model import load_tunix_lora_model
-    from ckptbridge.verify import compare_tensors, hf_greedy, hf_logits, logits_parity, peft_logits, rel_l2, tunix_logits
+    from ckptbridge.verify import (compare_tensors, hf_logits, logits_parity, peft_logits, rel_l2, served_parity,
+                                   server_greedy, tunix_logits)
     from serving import bench as bench_lib
     from serving.cost import cost_per_million, tco_table
     from serving.evaluate import BUNDLED_PROBLEMS, generate, list_problems, score
@@ -175,20 +177,13 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     with LocalServer(cmd, os.path.join(out, "server.log")) as server:
         report["serving"] = {"startup_s": round(time.perf_counter() - t0, 1), "command": cmd.shell()}
-        import httpx
-
         ids = [int(x) for x in np.random.default_rng(3).integers(3, min(vocab, 4096), size=12)]
-        got = {}
-        for name in (cmd.served_name, "ft"):
-            r = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-                "model": name, "prompt": ids, "max_tokens": s["greedy"], "min_tokens": s["greedy"], "temperature": 0,
-                "return_token_ids": True})
-            r.raise_for_status()
-            got[name] = r.json()["choices"][0]["token_ids"]
-        want = hf_greedy(base, adapters["hf"], ids, s["greedy"])
+        served = served_parity(server.url, "ft", base, adapter=adapters["hf"], ids=ids, tokens=s["greedy"])
+        base_tokens = server_greedy(server.url, cmd.served_name, ids, s["greedy"])
         report["serving"]["greedy_tokens"] = s["greedy"]
-        report["serving"]["adapter_tokens_equal_hf_peft"] = got["ft"] == want
-        report["serving"]["adapter_changes_tokens"] = got["ft"] != got[cmd.served_name]
+        report["serving"]["adapter_tokens_equal_hf_peft"] = served["equal"]
+        report["serving"]["first_divergence"] = served["first_divergence"]
+        report["serving"]["adapter_changes_tokens"] = served["server"] != base_tokens
 
         # 6. bench
         steps("bench", f"bench: QPS {s['qps']} x shapes {s['shapes']}, {s['num_prompts']} prompts per point")

@@ -32,8 +32,69 @@ def _adapters(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _check_adapters(args, adapters: dict[str, str], local_model: bool, profile) -> int | None:
+    """Lint every adapter for vLLM on the model (files only); refuse one that vLLM would serve wrong.
+    Returns the smallest --max-lora-rank that fits them all."""
+    from ckptbridge.adapter_check import adapter_kind, lint_adapter
+
+    rank = args.max_lora_rank
+    for name, path in adapters.items():
+        if not os.path.isdir(path):
+            if profile.local or local_model:
+                raise InputNotFoundError(f"--adapter {name}={path}: no such adapter directory")
+            continue
+        if not local_model:
+            continue
+        if adapter_kind(path) == "orbax":
+            raise ConfigError(f"--adapter {name}={path} is a Tunix/Orbax LoRA checkpoint; vLLM serves PEFT adapters: "
+                              f"`ckptbridge convert orbax-to-peft {path} ADAPTER_DIR --base {args.model} --target vllm`")
+        lint = lint_adapter(path, args.model, target="vllm")
+        for f in lint.findings:
+            if f.severity == "warning" or (f.severity == "error" and args.no_adapter_check):
+                print(f"serving: {f.severity}: --adapter {name}: {f.message}", file=sys.stderr)
+        if lint.errors and not args.no_adapter_check:
+            more = f" ({len(lint.errors)} errors)" if len(lint.errors) > 1 else ""
+            raise ConfigError(f"--adapter {name}: {lint.errors[0].message}{more}; all findings: `ckptbridge verify "
+                              f"adapter {path} --base {args.model} --target vllm --lint-only`")
+        if args.max_lora_rank and lint.max_rank > args.max_lora_rank:
+            raise ConfigError(f"--adapter {name}: rank {lint.max_rank} exceeds --max-lora-rank {args.max_lora_rank}; "
+                              f"use --max-lora-rank {lint.max_lora_rank}")
+        rank = max(rank or 0, lint.max_lora_rank)
+    return rank
+
+
+def _length_and_dtype(args, profile, local_model: bool) -> tuple[int, str]:
+    """The max model length to pass (the profile's, capped at the model's own limit) and the
+    --dtype, with one line each on what vLLM will do."""
+    from serving.vllm_facts import MANTISSA_BITS, compute_dtype, model_limits
+
+    dtype = args.dtype or profile.dtype
+    if not local_model:
+        return args.max_model_len or profile.max_model_len, dtype
+    limits = model_limits(args.model)
+    limit, where = limits.max_len, limits.max_len_from
+    if args.max_model_len:
+        if limit is not None and args.max_model_len > limit:
+            raise ConfigError(f"--max-model-len {args.max_model_len} exceeds the model's limit {limit} ({where}); "
+                              f"pass --max-model-len {limit} or less")
+        length = args.max_model_len
+    elif limit is not None and limit < profile.max_model_len:
+        length = limit
+        print(f"serving: max model length {length}: the model's limit ({where}; profile {profile.name} would use "
+              f"{profile.max_model_len})", file=sys.stderr)
+    else:
+        length = profile.max_model_len
+    computed = compute_dtype(dtype, limits)
+    stored = limits.weights_dtype or limits.config_dtype
+    print(f"serving: vLLM will compute in {computed} (--dtype {dtype}; checkpoint {stored or 'dtype unknown'})",
+          file=sys.stderr)
+    if stored in MANTISSA_BITS and MANTISSA_BITS[computed] < MANTISSA_BITS[stored]:
+        print(f"serving: warning: the {stored} checkpoint is served in {computed}: greedy tokens can differ from "
+              f"{stored} references (transformers, PEFT); pass --dtype {stored} to keep {stored}", file=sys.stderr)
+    return length, dtype
+
+
 def cmd_serve(args) -> int:
-    from ckptbridge.adapters import vllm_readiness
     from serving.profiles import PROFILES, build_command
     from serving.server import LocalServer, serve_forever
 
@@ -48,24 +109,11 @@ def cmd_serve(args) -> int:
         name, path = next(iter(adapters.items()))
         raise ConfigError(f"profile {profile.name} cannot serve LoRA adapters (vLLM's TPU Gemma 4 path has none); "
                           f"merge first: `ckptbridge merge {args.model} {path} MERGED_DIR`, then serve MERGED_DIR")
-    rank = args.max_lora_rank
-    for name, path in adapters.items():
-        if not os.path.isdir(path):
-            if profile.local or local_model:
-                raise InputNotFoundError(f"--adapter {name}={path}: no such adapter directory")
-            continue
-        if not local_model:
-            continue
-        ready = vllm_readiness(path, args.model)
-        if ready.problems:
-            raise ConfigError(ready.problems[0])
-        if args.max_lora_rank and ready.max_rank > args.max_lora_rank:
-            raise ConfigError(f"--adapter {name}: rank {ready.max_rank} exceeds --max-lora-rank {args.max_lora_rank}; "
-                              f"use --max-lora-rank {ready.max_lora_rank}")
-        rank = max(rank or 0, ready.max_lora_rank)
+    rank = _check_adapters(args, adapters, local_model, profile)
+    max_model_len, dtype = _length_and_dtype(args, profile, local_model)
     cmd = build_command(profile, args.model, adapters=adapters, port=args.port, host=args.host,
-                        served_name=args.name, max_lora_rank=rank, max_model_len=args.max_model_len,
-                        kv_cache_gib=args.kv_cache_gib, dtype=args.dtype, extra_args=args.vllm_arg)
+                        served_name=args.name, max_lora_rank=rank, max_model_len=max_model_len,
+                        kv_cache_gib=args.kv_cache_gib, dtype=dtype, extra_args=args.vllm_arg)
     if args.dry_run or not profile.local:
         print(cmd.shell())
         if not args.dry_run:
@@ -171,12 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--host", help="listen address (default 127.0.0.1 for cpu, 0.0.0.0 for remote profiles)")
     s.add_argument("--max-lora-rank", type=int, help="default: the smallest vLLM accepts that fits the adapters")
-    s.add_argument("--max-model-len", type=int, help="default: the profile's")
-    s.add_argument("--dtype", help="weights dtype (default: the profile's)")
+    s.add_argument("--max-model-len", type=int,
+                   help="longest sequence (default: the profile's, capped at the model's own limit)")
+    s.add_argument("--dtype", help="dtype vLLM computes in (default: the profile's; `auto` serves float32 "
+                   "checkpoints in bfloat16, --dtype float32 keeps float32)")
     s.add_argument("--kv-cache-gib", type=float, default=2.0, help="cpu profile: KV cache space (GiB)")
     s.add_argument("--log", help="cpu profile: write the server's output here instead of the terminal")
     s.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument passed to vLLM as is (repeat; e.g. --vllm-arg=--seed=0)")
+    s.add_argument("--no-adapter-check", action="store_true",
+                   help="serve adapters even when ckptbridge finds vLLM would serve them wrong (for comparisons); "
+                   "the findings are printed")
     s.add_argument("--dry-run", action="store_true", help="print the command and exit")
     s.set_defaults(func=cmd_serve)
 

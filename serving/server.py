@@ -4,11 +4,14 @@ period) when the caller leaves, is interrupted or is terminated."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 
 from ckptbridge.errors import CkptBridgeError, ConfigError, InputNotFoundError
@@ -51,6 +54,8 @@ class LocalServer:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._pump: threading.Thread | None = None
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=300)
 
     @property
     def url(self) -> str:
@@ -66,13 +71,36 @@ class LocalServer:
             self._log = open(self.log_path, "ab")
         env = {**os.environ, **self.command.env}
         self.proc = subprocess.Popen(self.command.argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT if self._log else None)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._pump = threading.Thread(target=self._copy_output, args=(self.proc.stdout,), daemon=True)
+        self._pump.start()
+
+    def _copy_output(self, stream) -> None:
+        """vLLM's output goes to the log file (or this process's stderr) as it comes; the last lines
+        are kept for the reason of a failure."""
+        sink = self._log or sys.stderr.buffer
+        for raw in iter(stream.readline, b""):
+            self.last_lines.append(raw.decode("utf-8", "replace"))
+            with contextlib.suppress(ValueError, OSError):
+                sink.write(raw)
+                sink.flush()
+        stream.close()
+
+    def failure_reason(self) -> str:
+        """vLLM's own last error line, and where the whole output is."""
+        from serving.vllm_facts import startup_reason
+
+        if self._pump is not None:
+            self._pump.join(timeout=10)
+        reason = startup_reason(list(self.last_lines))
+        where = f"full log: {self.log_path}" if self.log_path else "its output is above"
+        return f": {reason} ({where})" if reason else f" ({where})"
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"vLLM exited with code {self.proc.returncode} while starting{self._tail()}")
+                raise ServerError(f"vLLM exited with code {self.proc.returncode} while starting{self.failure_reason()}")
             try:
                 models = get_json(f"{self.url}/v1/models", timeout=2.0)
                 if any(m.get("id") == self.command.served_name for m in models.get("data", [])):
@@ -81,15 +109,7 @@ class LocalServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise ServerError(f"vLLM did not answer at {self.url} within {self.startup_timeout:.0f} s{self._tail()}")
-
-    def _tail(self, lines: int = 15) -> str:
-        if not self.log_path or not os.path.isfile(self.log_path):
-            return ""
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(self.log_path) - 20000))
-            text = f.read().decode("utf-8", "replace").splitlines()[-lines:]
-        return f"; last lines of {self.log_path}:\n" + "\n".join(text)
+        raise ServerError(f"vLLM did not answer at {self.url} within {self.startup_timeout:.0f} s{self.failure_reason()}")
 
     def stop(self, grace: float = 30.0) -> int | None:
         proc, self.proc = self.proc, None
@@ -106,6 +126,8 @@ class LocalServer:
             # whatever the group left behind (engine workers) goes too
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        if self._pump is not None:
+            self._pump.join(timeout=10)
         if self._log:
             self._log.close()
             self._log = None
@@ -138,7 +160,7 @@ def serve_forever(server: LocalServer) -> int:
             while stop["signal"] is None and server.proc is not None and server.proc.poll() is None:
                 time.sleep(0.5)
             if stop["signal"] is None and server.proc is not None:
-                raise ServerError(f"vLLM exited with code {server.proc.returncode}{server._tail()}")
+                raise ServerError(f"vLLM exited with code {server.proc.returncode}{server.failure_reason()}")
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -1,0 +1,571 @@
+"""``ckptbridge verify adapter``: prove that a LoRA adapter is right for its base and its target.
+
+Three checks, cheapest first:
+
+* **lint** (files only, no model): every LoRA tensor belongs to a LoRA-able module of BASE and
+  fits its shape; ``target_modules`` selects those modules (PEFT applies nothing it does not
+  select); factors are finite and not all zero; on k_eq_v layers a vLLM-bound adapter carries
+  the ``v_proj`` copies vLLM needs; rank against vLLM's ``--max-lora-rank``; features vLLM or
+  Tunix cannot take (DoRA, ``modules_to_save``, biases); ``base_model_name_or_path`` against
+  BASE's config. One :class:`Finding` per problem, each one line with its fix.
+* **live** (transformers + PEFT): the adapter moves BASE's logits (relative L2 of the change).
+* **exact**: transformers + PEFT logits against Tunix + qwix logits of the same adapter, converted
+  through ckptbridge in whichever direction is needed (float32, relative L2).
+
+An adapter is a PEFT directory or a Tunix/qwix Orbax LoRA checkpoint in any form
+``orbax-to-peft`` accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+
+import numpy as np
+
+from ckptbridge import lora
+from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
+
+TARGETS = ("hf", "vllm")
+LIVE_TOLERANCE = 1e-6  # below this relative change of the logits, an adapter does nothing
+EXACT_TOLERANCE = 1e-4  # transformers+PEFT vs Tunix+qwix, float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One lint result: ``error`` makes the adapter wrong in its target, ``warning`` needs a look
+    or a flag, ``info`` is for the record."""
+
+    severity: str  # "error" | "warning" | "info"
+    check: str  # short name of what was checked
+    message: str  # one line: what, where, and what to do
+
+    def line(self) -> str:
+        return f"{self.severity}: [{self.check}] {self.message}"
+
+
+@dataclasses.dataclass
+class Lint:
+    adapter: str
+    base: str
+    kind: str  # "peft" | "orbax"
+    target: str
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    modules: int = 0  # adapter modules that are LoRA-able modules of BASE
+    max_rank: int = 0
+    loadable: bool = True  # whether the model checks can run at all
+
+    def add(self, severity: str, check: str, message: str) -> None:
+        self.findings.append(Finding(severity, check, " ".join(message.split())))
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def max_lora_rank(self) -> int:
+        return next((r for r in lora.VLLM_LORA_RANKS if r >= self.max_rank), self.max_rank)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "target": self.target, "modules": self.modules, "max_rank": self.max_rank,
+                "vllm_max_lora_rank": self.max_lora_rank, "ok": not self.errors,
+                "findings": [dataclasses.asdict(f) for f in self.findings]}
+
+
+# --------------------------------------------------------------------------- PEFT's own rules
+
+
+def peft_selects(config: dict, module: str) -> bool:
+    """Whether PEFT wraps ``module`` (a name of the base model's modules) under ``config``:
+    ``target_modules`` (a regex full-matched, or names matched as the name or its last parts),
+    ``exclude_modules``, ``modules_to_save`` and ``layers_to_transform`` as PEFT 0.21's
+    ``check_target_module_exists`` applies them (tests compare the two)."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, module):
+                return False
+        elif module in exclude or any(module.endswith(f".{e}") for e in exclude):
+            return False
+    if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in config.get("modules_to_save") or ()):
+        return False
+    targets = config.get("target_modules")
+    if targets is None:
+        return False
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    if module in targets:
+        return True
+    if not any(module.endswith(f".{t}") for t in targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or (isinstance(layers, list) and not layers):
+        return True
+    patterns = config.get("layers_pattern")
+    if not patterns:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        m = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if m:
+                break
+    if not m:
+        return False
+    idx = int(m.group("idx"))
+    return idx == layers if isinstance(layers, int) else idx in layers
+
+
+# --------------------------------------------------------------------------- lint
+
+
+def adapter_kind(path: str) -> str:
+    return "peft" if os.path.isfile(os.path.join(path, lora.ADAPTER_CONFIG)) else "orbax"
+
+
+def _config_summary(hf_config: dict) -> dict:
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    return {"model_type": text.get("model_type"), "hidden_size": text.get("hidden_size"),
+            "num_hidden_layers": text.get("num_hidden_layers"), "vocab_size": text.get("vocab_size")}
+
+
+def _describe(summary: dict) -> str:
+    return (f"{summary['model_type']}, hidden {summary['hidden_size']}, {summary['num_hidden_layers']} layers, "
+            f"vocab {summary['vocab_size']}")
+
+
+def _recorded_base_config(name: str | None) -> tuple[dict | None, str]:
+    """config.json of the base an adapter records: a local directory, or the Hugging Face cache."""
+    if not name:
+        return None, "not recorded"
+    path = os.path.join(name, "config.json")
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+        except Exception:  # noqa: BLE001 - not a repo id, or no huggingface_hub: cannot tell
+            cached = None
+        if not isinstance(cached, str):
+            return None, "neither a local directory nor in the Hugging Face cache"
+        path = cached
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None, f"{path} is not readable JSON"
+    return (cfg, path) if isinstance(cfg, dict) else (None, f"{path} is not a JSON object")
+
+
+def _check_recorded_base(lint: Lint, base: lora.Base, recorded: str | None, where: str) -> None:
+    cfg, whence = _recorded_base_config(recorded)
+    if cfg is None:
+        if recorded:
+            lint.add("info", "base", f"{where}: base {recorded!r} cannot be read here ({whence}); shapes were checked "
+                                     f"against {base.path} instead")
+        return
+    from ckptbridge.config import read_config_file
+
+    ours = _config_summary(read_config_file(os.path.join(base.path, "config.json")))
+    theirs = _config_summary(cfg)
+    if ours != theirs:
+        lint.add("error", "base", f"{where}: made for {recorded} ({_describe(theirs)}) but BASE {base.path} is "
+                                  f"{_describe(ours)}: use the adapter with the base it was trained on")
+
+
+def _values_check(lint: Lint, arrays, where: str) -> None:
+    """Factors must be finite, and some lora_B (and its A) non-zero, or the adapter does nothing."""
+    zero, bad, total = [], [], 0
+    for name, a, b in arrays:
+        total += 1
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if not (np.isfinite(a32).all() and np.isfinite(b32).all()):
+            bad.append(name)
+        elif not a32.any() or not b32.any():
+            zero.append(name)
+    if bad:
+        lint.add("error", "values", f"{where}: {len(bad)} module(s) have NaN or infinite factors (e.g. {bad[0]}): the "
+                                    "training diverged; use an earlier checkpoint")
+    if total and len(zero) == total:
+        lint.add("error", "live", f"{where}: every module has an all-zero lora_B or lora_A: the adapter changes "
+                                  "nothing (untrained, or saved right after initialisation)")
+    elif zero:
+        lint.add("warning", "live", f"{where}: {len(zero)} of {total} modules have an all-zero factor and change "
+                                    f"nothing (e.g. {zero[0]})")
+
+
+def _reexport(adapter: str, base: str, source: str | None) -> str:
+    if source:
+        return f"re-export it: `ckptbridge convert orbax-to-peft {source} NEW_DIR --base {base} --target vllm`"
+    return (f"re-export it: `ckptbridge convert peft-to-orbax {adapter} CKPT --base {base}` then "
+            f"`ckptbridge convert orbax-to-peft CKPT NEW_DIR --base {base} --target vllm`")
+
+
+def _vllm_rank(lint: Lint, where: str, merge_hint: str) -> None:
+    if lint.target != "vllm" or not lint.max_rank:
+        return
+    if lint.max_rank > lora.VLLM_LORA_RANKS[-1]:
+        lint.add("error", "rank", f"{where}: rank {lint.max_rank} exceeds vLLM's largest --max-lora-rank "
+                                  f"{lora.VLLM_LORA_RANKS[-1]}; {merge_hint}")
+    elif lint.max_rank > lora.VLLM_DEFAULT_MAX_LORA_RANK:
+        lint.add("warning", "rank", f"{where}: rank {lint.max_rank} exceeds vLLM's default --max-lora-rank "
+                                    f"{lora.VLLM_DEFAULT_MAX_LORA_RANK}: start vLLM with --max-lora-rank "
+                                    f"{lint.max_lora_rank} (`python -m serving serve` does)")
+
+
+def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | None = None,
+                 alpha: float | None = None) -> Lint:
+    """Check an adapter against BASE for ``target`` ("hf": transformers/PEFT, "vllm") from files alone.
+    Inputs that cannot be read at all (missing, corrupt) raise as the conversions do."""
+    if target not in TARGETS:
+        raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    if not os.path.exists(adapter):
+        from ckptbridge.errors import InputNotFoundError
+
+        raise InputNotFoundError(f"{adapter}: no such adapter directory")
+    b = lora.open_base(base)
+    lint = Lint(adapter, base, adapter_kind(adapter), target)
+    if lint.kind == "peft":
+        if step is not None or alpha is not None:
+            raise ConfigError(f"{adapter}: --alpha/--step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
+        _lint_peft(lint, b)
+    else:
+        _lint_orbax(lint, b, step, alpha)
+    return lint
+
+
+def _lint_orbax(lint: Lint, b: lora.Base, step: int | None, alpha: float | None) -> None:
+    src = lint.adapter
+    try:
+        ad = lora.open_orbax_lora(src, b, step=step, alpha=alpha)
+    except (MismatchError, UnsupportedError) as e:
+        lint.loadable = False
+        lint.add("error", "targets", str(e))
+        return
+    except ConfigError as e:
+        lint.loadable = False
+        lint.add("error", "alpha", str(e))
+        return
+    with ad:
+        lint.modules = sum(len(m.hf_modules) for m in ad.scaling)
+        lint.max_rank = max(sc.rank for sc in ad.scaling.values())
+        meta = ad.metadata
+        _check_recorded_base(lint, b, meta.get("base") if isinstance(meta.get("base"), str) else None, ad.path)
+        _values_check(lint, (("/".join(m.path), *ad.factors(m)) for m in ad.scaling), ad.path)
+        if lint.target == "vllm":
+            keqv = [m for m in ad.scaling if m.vllm_aliases]
+            how = f"`ckptbridge convert orbax-to-peft {src} NEW_DIR --base {b.path} --target vllm`"
+            lint.add("info", "export", f"{ad.path}: a Tunix checkpoint is served by vLLM as a PEFT adapter: {how}"
+                     + (f" (it adds the v_proj copies vLLM needs on {len(keqv)} k_eq_v layer(s))" if keqv else ""))
+        _vllm_rank(lint, ad.path, f"merge it (`ckptbridge merge {b.path} {src} MERGED`) and serve the merged model")
+
+
+def _base_module_names(b: lora.Base) -> set[str]:
+    """Names of BASE's modules that own a weight (from the weight files' keys; no weights read)."""
+    names = {name for m in b.modules for name in m.hf_modules}
+    if any(n.endswith(".safetensors") for n in os.listdir(b.path)):
+        from ckptbridge.io.hf import HFModelDir
+
+        with HFModelDir(b.path) as model:
+            names |= {k.removesuffix(".weight") for k in model.keys() if k.endswith(".weight")}
+    return names
+
+
+def _lint_peft(lint: Lint, b: lora.Base) -> None:
+    from ckptbridge.io.hf import check_inside
+    from ckptbridge.io.safetensors import SafetensorsFile
+
+    src, target = lint.adapter, lint.target
+    cfg = lora.read_adapter_config(src)
+    where = os.path.join(src, lora.ADAPTER_CONFIG)
+    if cfg.get("peft_type") != "LORA":
+        lint.loadable = False
+        lint.add("error", "format", f"{where}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters can be checked")
+        return
+    _lint_features(lint, cfg, where, b)
+    weights = os.path.join(src, lora.ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        lora.open_peft_lora(src, b)  # raises the conversions' error (missing file, pickle weights)
+    with SafetensorsFile(check_inside(src, weights)) as f:
+        meta = (f.metadata or {}).get("ckptbridge")
+        try:
+            source = json.loads(meta).get("source") if meta else None
+        except (ValueError, AttributeError):
+            source = None
+        modules: dict[str, list] = {}
+        others = []
+        for key in f.keys():
+            m = lora._PEFT_KEY.match(key[len(lora.PEFT_PREFIX):] if key.startswith(lora.PEFT_PREFIX) else "")
+            if not m or m.group("adapter") not in (None, "default"):
+                others.append(key)
+                continue
+            modules.setdefault(m.group("module"), [None, None])["AB".index(m.group("ab"))] = key
+        if others:
+            why = ("modules_to_save weights" if cfg.get("modules_to_save") else "not LoRA factors")
+            lint.add("error" if target == "vllm" else "warning", "format",
+                     f"{weights}: {len(others)} tensor(s) are {why} (e.g. {others[0]}); vLLM and Tunix take LoRA "
+                     "factors only")
+        if not modules:
+            lint.loadable = False
+            lint.add("error", "targets", f"{weights}: no LoRA tensors")
+            return
+        _lint_peft_modules(lint, b, cfg, f, modules, source)
+
+
+def _lint_features(lint: Lint, cfg: dict, where: str, b: lora.Base) -> None:
+    vllm = lint.target == "vllm"
+    merge = ("merge it with PEFT (`merge_and_unload`) and serve the merged model" if vllm else
+             "transformers+PEFT apply it, but it cannot go to Tunix (no exact check)")
+    if cfg.get("use_dora"):
+        lint.add("error" if vllm else "warning", "dora", f"{where}: DoRA (use_dora): vLLM refuses it and qwix has no "
+                 f"equivalent; {merge}")
+    if cfg.get("modules_to_save"):
+        lint.add("error" if vllm else "warning", "modules_to_save",
+                 f"{where}: modules_to_save {cfg['modules_to_save']} trains whole modules; vLLM refuses them and a "
+                 f"qwix LoRA cannot carry them; {merge}")
+    if cfg.get("lora_bias") or cfg.get("bias") not in (None, "none"):
+        lint.add("error" if vllm else "warning", "bias", f"{where}: LoRA biases (bias={cfg.get('bias')!r}, lora_bias="
+                 f"{cfg.get('lora_bias')!r}): vLLM refuses them and qwix has none; {merge}")
+    for field in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens"):
+        if cfg.get(field):
+            lint.add("error" if vllm else "warning", "features", f"{where}: {field} is set; vLLM and Tunix cannot "
+                     f"apply it; {merge}")
+    if cfg.get("use_rslora"):
+        lint.add("info", "scale", f"{where}: rsLoRA (scale alpha / sqrt(r)): honoured by PEFT, vLLM and ckptbridge's "
+                                  "conversions")
+    if vllm and (cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
+        lint.add("info", "patterns", f"{where}: rank_pattern/alpha_pattern set: vLLM 0.32 (this project's serving "
+                                     "environment) honours them; releases before it used the global r/lora_alpha "
+                                     "for every module (re-export with `--target vllm` for one uniform rank)")
+    for field in ("r", "lora_alpha"):
+        v = cfg.get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            lint.add("error", "format", f"{where}: {field} must be a positive number, found {v!r}")
+    _check_recorded_base(lint, b, cfg.get("base_model_name_or_path"), where)
+
+
+def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, source: str | None) -> None:
+    src, weights = lint.adapter, f.path
+    where = os.path.join(src, lora.ADAPTER_CONFIG)
+    known = b.by_hf_module()
+    alias_of = {alias: m.hf_modules[0] for m in b.modules for alias in m.vllm_aliases}
+    # adapter module name -> BASE module name (either key prefix of the family is accepted)
+    rename = {}
+    for name in list(known) + list(alias_of):
+        for p in b.spec.key_prefixes:
+            rename.setdefault(p + name[len(b.prefix):], name)
+    base_names = _base_module_names(b)
+    own, foreign, absent = {}, [], []
+    for module, pair in modules.items():
+        name = rename.get(module, module)
+        if name in known or name in alias_of:
+            own[name] = pair
+        elif name in base_names:
+            foreign.append(module)
+        else:
+            absent.append(module)
+    if absent:
+        lint.add("error", "targets", f"{weights}: {len(absent)} LoRA module(s) are not modules of BASE {b.path} (e.g. "
+                                     f"{absent[0]}): they load into nothing; the adapter was made for another model")
+    if foreign:
+        lint.add("warning", "targets", f"{weights}: {len(foreign)} LoRA module(s) are not attention/MLP projections "
+                                       f"(e.g. {foreign[0]}); transformers+PEFT apply them, Tunix/qwix cannot")
+    used = {max((p for p in b.spec.key_prefixes if m.startswith(p)), key=len) for m in modules
+            if rename.get(m, m) != m}
+    if used:
+        lint.add("warning", "targets", f"{weights}: module names use the key prefix {sorted(used)[0]} while BASE's "
+                                       f"modules are under {b.prefix}; PEFT matches names as they are (the live check "
+                                       "shows whether it applies them)")
+    # what PEFT wraps: target_modules against BASE's module names
+    selected = [n for n in sorted(base_names) if peft_selects(cfg, n)]
+    if not selected:
+        lint.loadable = False
+        lint.add("error", "targets", f"{where}: target_modules {cfg.get('target_modules')!r} match no module of BASE "
+                                     f"{b.path}: PEFT refuses to load it and nothing would be applied")
+    else:
+        skipped = [n for n in own if n not in alias_of and not peft_selects(cfg, n)]
+        if skipped:
+            lint.add("error", "targets", f"{where}: {len(skipped)} module(s) have LoRA tensors that target_modules "
+                                         f"{cfg.get('target_modules')!r} does not select (e.g. {skipped[0]}): PEFT "
+                                         "loads them into nothing; list them in target_modules")
+    # shapes, ranks, dtypes
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    bad_shape, bad_rank, half = [], [], []
+    for name, (ka, kb) in own.items():
+        if ka is None or kb is None:
+            half.append(name)
+            continue
+        mod, _ = known.get(name) or known[alias_of[name]]
+        ia, ib = f.info(ka), f.info(kb)
+        rank = ia.shape[0] if ia.shape else 0
+        want = mod.shapes(rank)
+        if rank < 1 or ia.shape != want["a_peft"] or ib.shape != want["b_peft"]:
+            bad_shape.append(f"{name}: lora_A {ia.shape} / lora_B {ib.shape}, BASE needs {want['a_peft']} / "
+                             f"{want['b_peft']}")
+            continue
+        r_m = lora._pattern_value(cfg.get("rank_pattern") or {}, name, r)
+        if isinstance(r_m, (int, float)) and int(r_m) != rank:
+            bad_rank.append(f"{name} has rank {rank}, the config says {r_m}")
+        lint.max_rank = max(lint.max_rank, rank)
+    if half:
+        lint.add("error", "format", f"{weights}: {len(half)} module(s) have only one of lora_A / lora_B (e.g. {half[0]})")
+    if bad_shape:
+        lint.loadable = False
+        lint.add("error", "shapes", f"{weights}: {len(bad_shape)} module(s) do not fit BASE {b.path} ({bad_shape[0]}): "
+                                    "the adapter was made for another base")
+    if bad_rank:
+        lint.add("error", "rank", f"{weights}: {len(bad_rank)} module(s) disagree with r/rank_pattern of "
+                                  f"{lora.ADAPTER_CONFIG} ({bad_rank[0]}); PEFT cannot load it: fix the config")
+    if absent and not own:
+        lint.loadable = False
+    good = {n: p for n, p in own.items() if None not in p and not any(s.startswith(n + ":") for s in bad_shape)}
+    lint.modules = len(good)
+    _values_check(lint, ((n, f.array(ka), f.array(kb)) for n, (ka, kb) in good.items()), weights)
+    # k_eq_v layers: vLLM applies a k_proj LoRA to K only; its export repeats it as v_proj
+    copies = [n for n in good if n in alias_of]
+    unequal = [n for n in copies if alias_of[n] not in good or any(
+        f.info(x).shape != f.info(y).shape or f.raw(x) != f.raw(y) for x, y in zip(good[n], good[alias_of[n]]))]
+    if unequal:
+        lint.add("error", "k_eq_v", f"{weights}: {unequal[0]} (k_eq_v layer, V is K's output) has LoRA factors that "
+                                    f"are not a copy of {alias_of[unequal[0]]}'s: transformers ignores them and vLLM "
+                                    "applies them, so the two compute different models; " + _reexport(src, b.path, source))
+    keqv_k = [n for n in good if n in known and known[n][0].vllm_aliases]
+    missing = [n for n in keqv_k if not any(a in good for a in known[n][0].vllm_aliases)]
+    if lint.target == "vllm" and missing:
+        lint.add("error", "k_eq_v", f"{weights}: LoRA on k_proj of {len(missing)} k_eq_v layer(s) without the v_proj "
+                                    "copies vLLM needs (vLLM would apply it to K only, transformers to K and V; made "
+                                    f"for transformers/PEFT); {_reexport(src, b.path, source)}")
+    elif lint.target == "hf" and copies and not unequal:
+        lint.add("info", "k_eq_v", f"{weights}: carries {len(copies)} v_proj copies of k_proj factors for vLLM; "
+                                   "transformers+PEFT leave them unused (same model)")
+    _vllm_rank(lint, weights, f"retrain at a lower rank or merge it (`ckptbridge merge {b.path} {src} MERGED`) and "
+                              "serve the merged model")
+
+
+# --------------------------------------------------------------------------- live and exact
+
+
+def prompt_ids(base: str, *, ids: list[int] | None = None, prompt: str | None = None, length: int = 24,
+               seed: int = 0) -> list[int]:
+    """Token ids to check with: ``ids``, ``prompt`` tokenized by BASE's tokenizer, or ``length``
+    random ids from BASE's vocabulary."""
+    cfg = lora.open_base(base).cfg
+    if ids is not None and prompt is not None:
+        raise ConfigError("give --ids or --prompt, not both")
+    if prompt is not None:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(base)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{base}: no tokenizer to encode --prompt ({type(e).__name__}); pass --ids instead") from None
+        ids = list(tok(prompt)["input_ids"])
+        if not ids:
+            raise ConfigError("--prompt encodes to no tokens")
+    if ids is None:
+        ids = [int(x) for x in np.random.default_rng(seed).integers(3, cfg.vocab_size, size=length)]
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ConfigError(f"token id {bad[0]} is outside BASE's vocabulary (0..{cfg.vocab_size - 1})")
+    return [int(i) for i in ids]
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--ids {text!r}: expected comma-separated integers such as 1,2,3") from None
+    if not ids:
+        raise ConfigError("--ids is empty")
+    return ids
+
+
+def _peft_live(base: str, peft_dir: str, tokens: np.ndarray) -> dict:
+    """Logits of BASE with and without the adapter (transformers + PEFT, float32, eager)."""
+    import torch
+    from peft import PeftModel
+    from transformers.utils import logging as hf_logging
+
+    from ckptbridge.verify import hf_model_class
+
+    hf_logging.disable_progress_bar()
+    model = hf_model_class(base).from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    try:
+        model = PeftModel.from_pretrained(model, peft_dir).eval()
+    except Exception as e:  # noqa: BLE001 - PEFT's refusal is the finding
+        return {"ok": False, "error": f"transformers+PEFT cannot apply it: {type(e).__name__}: {' '.join(str(e).split())}"}
+    applied = sorted({name.rsplit(".lora_A", 1)[0] for name, _ in model.named_parameters() if ".lora_A." in name})
+    with torch.no_grad():
+        with_adapter = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+        with model.disable_adapter():
+            without = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    change = float(np.linalg.norm(with_adapter.astype(np.float64) - without) / np.linalg.norm(without.astype(np.float64)))
+    return {"rel_change": change, "applied_modules": len(applied), "logits": with_adapter}
+
+
+def verify_adapter(adapter: str, base: str, *, target: str = "hf", ids: list[int] | None = None,
+                   prompt: str | None = None, step: int | None = None, alpha: float | None = None,
+                   lint_only: bool = False, exact: bool = True, live_tolerance: float = LIVE_TOLERANCE,
+                   tolerance: float = EXACT_TOLERANCE) -> dict:
+    """lint, then live and exact (see the module doc). ``ok`` is False when lint found an error,
+    the adapter does not move the logits, or the two frameworks disagree above ``tolerance``."""
+    lint = lint_adapter(adapter, base, target=target, step=step, alpha=alpha)
+    result: dict = {"adapter": adapter, "base": base, "lint": lint.to_dict(), "live": None, "exact": None}
+    if lint_only:
+        result["ok"] = not lint.errors
+        return result
+    if not lint.loadable and lint.kind == "orbax":
+        reason = "skipped: the checkpoint does not fit BASE (see lint)"
+        result["live"] = {"ok": False, "skipped": reason}
+        result["exact"] = {"ok": None, "skipped": reason}
+        result["ok"] = False
+        return result
+    tokens = np.asarray([prompt_ids(base, ids=ids, prompt=prompt)])
+    result["tokens"] = int(tokens.shape[1])
+    with tempfile.TemporaryDirectory(prefix="ckptbridge-verify-") as tmp:
+        peft_dir = adapter
+        if lint.kind == "orbax":
+            from ckptbridge.adapters import convert_orbax_to_peft
+
+            peft_dir = os.path.join(tmp, "peft")
+            convert_orbax_to_peft(adapter, peft_dir, base=base, step=step, alpha=alpha, progress=False)
+        live = _peft_live(base, peft_dir, tokens)
+        logits = live.pop("logits", None)
+        if "rel_change" in live:
+            live["ok"] = live["rel_change"] > live_tolerance
+        live["tolerance"] = live_tolerance
+        result["live"] = live
+        result["exact"] = _exact(lint, adapter, peft_dir, base, tokens, logits, step, alpha, tmp, tolerance) \
+            if exact and logits is not None else {"ok": None, "skipped": "--no-exact" if not exact else
+                                                  "transformers+PEFT could not apply the adapter"}
+    result["ok"] = not lint.errors and bool(result["live"]["ok"]) and result["exact"]["ok"] is not False
+    return result
+
+
+def _exact(lint: Lint, adapter: str, peft_dir: str, base: str, tokens, peft_logits, step, alpha, tmp: str,
+           tolerance: float) -> dict:
+    try:
+        import jax
+
+        from ckptbridge.tunix_model import load_tunix_adapter
+    except ImportError as e:
+        return {"ok": None, "skipped": f"Tunix is not installed here ({e.name}); install ckptbridge[verify]"}
+    from ckptbridge.verify import rel_l2, tunix_logits
+
+    via = "orbax-to-peft"
+    orbax_src = adapter
+    if lint.kind == "peft":
+        from ckptbridge.adapters import convert_peft_to_orbax
+
+        via, orbax_src, step, alpha = "peft-to-orbax", os.path.join(tmp, "orbax"), None, None
+        try:
+            convert_peft_to_orbax(adapter, orbax_src, base=base, progress=False)
+        except (UnsupportedError, MismatchError, CorruptFileError) as e:
+            return {"ok": None, "skipped": f"cannot go to Tunix: {e}"}
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = load_tunix_adapter(base, orbax_src, step=step, alpha=alpha)
+    rel = rel_l2(tunix_logits(model, tokens), peft_logits)
+    return {"ok": rel <= tolerance, "rel_l2": rel, "tolerance": tolerance, "via": via}
