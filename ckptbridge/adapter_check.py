@@ -56,7 +56,7 @@ class Lint:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     modules: int = 0  # adapter modules that are LoRA-able modules of BASE
     max_rank: int = 0
-    loadable: bool = True  # whether the model checks can run at all
+    loadable: bool = True  # False: the adapter does not open against BASE (an Orbax checkpoint is then not checked further)
 
     def add(self, severity: str, check: str, message: str) -> None:
         self.findings.append(Finding(severity, check, " ".join(message.split())))
@@ -169,11 +169,14 @@ def _check_recorded_base(lint: Lint, base: lora.Base, recorded: str | None, wher
         return
     from ckptbridge.config import read_config_file
 
-    ours = _config_summary(read_config_file(os.path.join(base.path, "config.json")))
-    theirs = _config_summary(cfg)
+    base_cfg = read_config_file(os.path.join(base.path, "config.json"))
+    ours, theirs = _config_summary(base_cfg), _config_summary(cfg)
     if ours != theirs:
         lint.add("error", "base", f"{where}: made for {recorded} ({_describe(theirs)}) but BASE {base.path} is "
                                   f"{_describe(ours)}: use the adapter with the base it was trained on")
+    elif cfg.get("architectures") != base_cfg.get("architectures"):
+        lint.add("info", "base", f"{where}: made for {recorded} ({cfg.get('architectures')}), BASE is "
+                                 f"{base_cfg.get('architectures')}: the same text model under another class")
 
 
 def _values_check(lint: Lint, arrays, where: str) -> None:
@@ -288,7 +291,12 @@ def _lint_peft(lint: Lint, b: lora.Base) -> None:
     _lint_features(lint, cfg, where, b)
     weights = os.path.join(src, lora.ADAPTER_WEIGHTS)
     if not os.path.isfile(weights):
-        lora.open_peft_lora(src, b)  # raises the conversions' error (missing file, pickle weights)
+        from ckptbridge.errors import InputNotFoundError
+
+        if os.path.isfile(os.path.join(src, "adapter_model.bin")):
+            raise UnsupportedError(f"{os.path.join(src, 'adapter_model.bin')}: pickle adapters are never loaded; "
+                                   "re-save with save_pretrained(..., safe_serialization=True)")
+        raise InputNotFoundError(f"{src}: no {lora.ADAPTER_WEIGHTS}")
     with SafetensorsFile(check_inside(src, weights)) as f:
         meta = (f.metadata or {}).get("ckptbridge")
         try:
@@ -392,8 +400,8 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
                                          f"{cfg.get('target_modules')!r} does not select (e.g. {skipped[0]}): PEFT "
                                          "loads them into nothing; list them in target_modules")
     # shapes, ranks, dtypes
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    bad_shape, bad_rank, half = [], [], []
+    r = cfg.get("r")
+    bad_shape, bad_rank, half, misfit = [], [], [], set()
     for name, (ka, kb) in own.items():
         if ka is None or kb is None:
             half.append(name)
@@ -405,6 +413,7 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
         if rank < 1 or ia.shape != want["a_peft"] or ib.shape != want["b_peft"]:
             bad_shape.append(f"{name}: lora_A {ia.shape} / lora_B {ib.shape}, BASE needs {want['a_peft']} / "
                              f"{want['b_peft']}")
+            misfit.add(name)
             continue
         r_m = lora._pattern_value(cfg.get("rank_pattern") or {}, name, r)
         if isinstance(r_m, (int, float)) and int(r_m) != rank:
@@ -421,7 +430,7 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
                                   f"{lora.ADAPTER_CONFIG} ({bad_rank[0]}); PEFT cannot load it: fix the config")
     if absent and not own:
         lint.loadable = False
-    good = {n: p for n, p in own.items() if None not in p and not any(s.startswith(n + ":") for s in bad_shape)}
+    good = {n: p for n, p in own.items() if None not in p and n not in misfit}
     lint.modules = len(good)
     _values_check(lint, ((n, f.array(ka), f.array(kb)) for n, (ka, kb) in good.items()), weights)
     # k_eq_v layers: vLLM applies a k_proj LoRA to K only; its export repeats it as v_proj

@@ -11,7 +11,7 @@ from conftest import run_cli
 def test_help_for_every_verb():
     for args in (["--help"], ["convert", "--help"], ["convert", "safetensors-to-orbax", "--help"],
                  ["convert", "orbax-to-safetensors", "--help"], ["inspect", "--help"], ["verify", "logits", "--help"],
-                 ["verify", "tensors", "--help"]):
+                 ["verify", "tensors", "--help"], ["verify", "adapter", "--help"], ["verify", "served", "--help"]):
         proc = run_cli(*args)
         assert proc.returncode == 0, (args, proc.stderr)
         assert "usage: ckptbridge" in proc.stdout

@@ -1,6 +1,9 @@
-"""A real vLLM server (cpu profile, started by `python -m serving serve`) on a tiny Gemma 4 with a
-LoRA adapter converted by ckptbridge: adapter tokens equal HF+PEFT, bench and eval against it,
-unknown adapters fail cleanly, SIGTERM stops it cleanly."""
+"""A real vLLM server (cpu profile, started by `python -m serving serve` with no --max-model-len) on
+a tiny Gemma 4 whose config says max_position_embeddings 256, serving LoRA adapters converted by
+ckptbridge: the length defaults to the model's limit; `ckptbridge verify served` finds the
+`--target vllm` adapter equal to transformers+PEFT and the transformers-bound one divergent; vLLM
+honours rank/alpha patterns; bench and eval run against it; unknown adapters fail cleanly; a failed
+start names vLLM's reason; SIGTERM stops it cleanly."""
 
 import json
 import os
@@ -16,9 +19,11 @@ import pytest
 from serving.profiles import SERVE_PYTHON
 from serving.server import free_port
 
+from conftest import run_cli
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
-
+PATTERN_TARGETS = r"model\.layers\.\d+\.(?:self_attn\.(?:q_proj|o_proj)|mlp\.(?:gate_proj|up_proj|down_proj))"
 
 
 def run_serving(*args, timeout=600):
@@ -30,31 +35,38 @@ def server(tmp_path_factory):
     import jax
 
     from ckptbridge.adapters import convert_orbax_to_peft
-    from ckptbridge.testing import LORA_TARGETS, VLLM_DIMS, build_checkpoint, build_tunix_lora, save_tunix_lora
+    from ckptbridge.testing import (LORA_TARGETS, VLLM_DIMS, build_checkpoint, build_peft_adapter, build_tunix_lora,
+                                    save_tunix_lora)
 
     jax.config.update("jax_default_matmul_precision", "highest")
     tmp = tmp_path_factory.mktemp("serve")
-    base = build_checkpoint(str(tmp / "tiny-gemma4"), prefix="model.", **VLLM_DIMS)
+    base = build_checkpoint(str(tmp / "tiny-gemma4"), prefix="model.", max_position_embeddings=256, **VLLM_DIMS)
     model, rules = build_tunix_lora(base, [{"module_path": LORA_TARGETS, "rank": 8, "alpha": 16.0}], seed=1, scale=1.0)
     root = save_tunix_lora(model, str(tmp / "ckpt"), custom_metadata={
         "ckptbridge": {"family": "gemma4", "kind": "lora", "lora": {"rules": rules}}})
     adapters = {t: str(tmp / f"adapter-{t}") for t in ("hf", "vllm")}
     for target, path in adapters.items():
         convert_orbax_to_peft(root, path, base=base, target=target, progress=False)
+    # made by PEFT, no k_proj (so no k_eq_v question), down_proj at its own rank and alpha
+    adapters["pattern"] = build_peft_adapter(base, str(tmp / "adapter-pattern"), r=4, lora_alpha=10, seed=5, scale=1.0,
+                                             target_modules=PATTERN_TARGETS, rank_pattern={"down_proj": 8},
+                                             alpha_pattern={"down_proj": 3})
     port = free_port()
-    log = str(tmp / "server.log")
+    log, err = str(tmp / "server.log"), str(tmp / "serve.stderr")
     proc = subprocess.Popen([sys.executable, "-m", "serving", "serve", "--profile", "cpu", "--model", base,
-                             "--adapter", f"ft={adapters['vllm']}", "--port", str(port), "--log", log,
-                             "--dtype", "float32"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--adapter", f"ft={adapters['vllm']}", "--adapter", f"ft-hf={adapters['hf']}",
+                             "--adapter", f"ft-pattern={adapters['pattern']}", "--no-adapter-check",
+                             "--port", str(port), "--log", log, "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
         line = proc.stdout.readline()
         if line.startswith("serving ") or proc.poll() is not None:
             break
-    assert proc.poll() is None, proc.stderr.read()[-3000:] + open(log).read()[-3000:]
-    info = {"url": url, "base": base, "adapters": adapters, "proc": proc, "log": log, "tmp": tmp, "name": "tiny-gemma4"}
+    assert proc.poll() is None, open(err).read()[-3000:] + open(log).read()[-3000:]
+    info = {"url": url, "base": base, "adapters": adapters, "proc": proc, "log": log, "stderr": err, "tmp": tmp,
+            "name": "tiny-gemma4", "root": root}
     yield info
     if proc.poll() is None:
         proc.kill()
@@ -68,6 +80,19 @@ def completion_ids(url, model, ids, n):
     return r.json()["choices"][0]["token_ids"]
 
 
+def test_max_model_len_defaults_to_the_models_limit(server):
+    err = open(server["stderr"]).read()
+    assert "max model length 256: the model's limit (max_position_embeddings in" in err
+    assert "vLLM will compute in float32 (--dtype float32; checkpoint float32)" in err
+    models = httpx.get(f"{server['url']}/v1/models", timeout=30).json()["data"]
+    assert {m["id"] for m in models} == {"tiny-gemma4", "ft", "ft-hf", "ft-pattern"}
+    assert next(m for m in models if m["id"] == "tiny-gemma4")["max_model_len"] == 256
+    log = open(server["log"]).read()
+    assert "dtype=torch.float32" in log and "max_seq_len=256" in log  # what vLLM itself reports
+    # --no-adapter-check printed what it let through
+    assert "error: --adapter ft-hf:" in err and "v_proj copies" in err
+
+
 def test_adapter_tokens_equal_hf_peft(server):
     from ckptbridge.verify import hf_greedy
 
@@ -78,6 +103,53 @@ def test_adapter_tokens_equal_hf_peft(server):
     assert base_tokens != ft_tokens  # the adapter is applied
     assert base_tokens == hf_greedy(server["base"], None, ids, n)
     assert ft_tokens == hf_greedy(server["base"], server["adapters"]["hf"], ids, n)
+
+
+def test_verify_served(server):
+    common = ["verify", "served", "--url", server["url"], "--base", server["base"], "--tokens", "16", "--json"]
+    proc = run_cli(*common, "--model", "ft", "--adapter", server["adapters"]["hf"], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["equal"] and r["first_divergence"] is None and r["server"] == r["reference"] and len(r["server"]) == 16
+    # the transformers-bound export, served by vLLM: K gets the LoRA on k_eq_v layers, V does not
+    proc = run_cli(*common, "--model", "ft-hf", "--adapter", server["adapters"]["hf"], timeout=600)
+    assert proc.returncode == 6, proc.stderr
+    r = json.loads(proc.stdout)
+    assert not r["equal"] and 0 <= r["first_divergence"] < 16
+    assert r["server"][:r["first_divergence"]] == r["reference"][:r["first_divergence"]]
+    text = run_cli(*common[:-1], "--model", "ft-hf", "--adapter", server["root"], timeout=600)  # Orbax form
+    assert text.returncode == 6 and f"at position {r['first_divergence']} of 16" in text.stdout
+    # the base alone
+    proc = run_cli(*common, "--model", server["name"], timeout=600)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["equal"]
+
+
+def test_vllm_honours_rank_and_alpha_patterns(server, tmp_path):
+    import shutil
+
+    from ckptbridge.verify import hf_greedy, served_parity
+
+    r = served_parity(server["url"], "ft-pattern", server["base"], adapter=server["adapters"]["pattern"], tokens=16)
+    assert r["equal"], r
+    # the patterns matter: without them transformers+PEFT computes other tokens
+    flat = str(tmp_path / "flat")
+    shutil.copytree(server["adapters"]["pattern"], flat)
+    cfg = json.load(open(os.path.join(flat, "adapter_config.json")))
+    cfg["alpha_pattern"] = {}
+    json.dump(cfg, open(os.path.join(flat, "adapter_config.json"), "w"))
+    assert hf_greedy(server["base"], flat, r["prompt_ids"], 16) != r["server"]
+
+
+def test_failed_start_names_vllms_reason(server, tmp_path):
+    # a length above the model's limit, slipped past the check as a raw vLLM flag: vLLM refuses it
+    log = str(tmp_path / "fail.log")
+    r = run_serving("serve", "--profile", "cpu", "--model", server["base"], "--port", str(free_port()), "--log", log,
+                    "--vllm-arg=--max-model-len=4096")
+    assert r.returncode == 9
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("serving: error: vLLM exited with code 1 while starting: User-specified "
+                                "max_model_len (4096) is greater than the derived max_model_len"), r.stderr
+    assert lines[-1].endswith(f"(full log: {log})") and "Traceback" in open(log).read()
 
 
 def test_unknown_adapter_is_a_clean_http_error(server):
@@ -115,9 +187,26 @@ def test_bench_at_concurrency_16_has_no_failures(server):
     assert (p["completed"], p["failed"]) == (32, 0) and p["output_tokens"] == 32 * 24
 
 
+def short_problems(tmp_path) -> str:
+    """The bundled problems with one-line specs, so that prompts fit the model's 256 tokens."""
+    import shutil
+
+    from serving.evaluate import BUNDLED_PROBLEMS, list_problems
+
+    out = tmp_path / "problems"
+    out.mkdir()
+    for task, paths in list_problems(BUNDLED_PROBLEMS, need_tests=True).items():
+        (out / f"{task}_prompt.txt").write_text(f"Implement {task.split('_', 1)[1]} as TopModule.\n")
+        for kind in ("ref", "test"):
+            shutil.copy(paths[kind], out / os.path.basename(paths[kind]))
+    return str(out)
+
+
 def test_eval_generate_resumes_and_scores(server, tmp_path):
     samples = tmp_path / "samples.jsonl"
-    common = ["eval", "generate", "--url", server["url"], "--model", "ft", "--out", str(samples), "--max-tokens", "24"]
+    problems = short_problems(tmp_path)
+    common = ["eval", "generate", "--url", server["url"], "--model", "ft", "--out", str(samples), "--max-tokens", "24",
+              "--problems", problems]
     r = run_serving(*common, "--n", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     first = samples.read_text().splitlines()
@@ -126,7 +215,8 @@ def test_eval_generate_resumes_and_scores(server, tmp_path):
     lines = samples.read_text().splitlines()
     assert lines[: len(first)] == first and len(lines) == 2 * len(first) == 12
     result = tmp_path / "result.json"
-    r = run_serving("eval", "score", "--samples", str(samples), "--out", str(result), "--k", "1,2")
+    r = run_serving("eval", "score", "--samples", str(samples), "--out", str(result), "--k", "1,2", "--problems",
+                    problems)
     assert r.returncode == 0, r.stderr
     res = json.loads(result.read_text())
     assert res["num_samples"] == 12 and all(p["n"] == 2 for p in res["problems"].values())
