@@ -213,7 +213,9 @@ def cmd_verify_served(args) -> int:
     from ckptbridge.verify import served_parity
 
     if args.tokens < 1:
-        raise CkptBridgeError("--tokens must be at least 1")
+        from ckptbridge.errors import ConfigError
+
+        raise ConfigError("--tokens must be at least 1")
     r = served_parity(args.url, args.model, args.base, adapter=args.adapter,
                       ids=parse_ids(args.ids) if args.ids else None, tokens=args.tokens, step=args.step,
                       alpha=args.alpha)
