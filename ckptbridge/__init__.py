@@ -5,6 +5,7 @@ Public API::
     from ckptbridge import convert_safetensors_to_orbax, convert_orbax_to_safetensors, inspect_path
     from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax, merge_lora
     from ckptbridge import load_tunix_model      # HF directory or Orbax checkpoint -> tunix Gemma4
+    from ckptbridge import verify_adapter, lint_adapter, served_parity   # is an adapter live and exact
 """
 
 from ckptbridge.errors import CkptBridgeError
@@ -20,6 +21,9 @@ _LAZY = {
     "inspect_path": "ckptbridge.inspect",
     "load_tunix_model": "ckptbridge.tunix_model",
     "tunix_model_config": "ckptbridge.tunix_model",
+    "verify_adapter": "ckptbridge.adapter_check",
+    "lint_adapter": "ckptbridge.adapter_check",
+    "served_parity": "ckptbridge.verify",
 }
 
 

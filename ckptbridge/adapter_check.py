@@ -384,9 +384,11 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
     used = {max((p for p in b.spec.key_prefixes if m.startswith(p)), key=len) for m in modules
             if rename.get(m, m) != m}
     if used:
-        lint.add("warning", "targets", f"{weights}: module names use the key prefix {sorted(used)[0]} while BASE's "
-                                       f"modules are under {b.prefix}; PEFT matches names as they are (the live check "
-                                       "shows whether it applies them)")
+        fix = ("re-export it for this base: `ckptbridge convert peft-to-orbax ADAPTER CKPT --base BASE` then "
+               "`ckptbridge convert orbax-to-peft CKPT NEW_DIR --base BASE` (written under BASE's prefix)")
+        lint.add("error" if lint.target == "hf" else "warning", "targets",
+                 f"{weights}: module names use the key prefix {sorted(used)[0]} while BASE's modules are under "
+                 f"{b.prefix}; PEFT loads LoRA tensors by module name, so none of them would load; {fix}")
     # what PEFT wraps: target_modules against BASE's module names
     selected = [n for n in sorted(base_names) if peft_selects(cfg, n)]
     if not selected:
@@ -506,7 +508,9 @@ def _peft_live(base: str, peft_dir: str, tokens: np.ndarray) -> dict:
         model = PeftModel.from_pretrained(model, peft_dir).eval()
     except Exception as e:  # noqa: BLE001 - PEFT's refusal is the finding
         return {"ok": False, "error": f"transformers+PEFT cannot apply it: {type(e).__name__}: {' '.join(str(e).split())}"}
-    applied = sorted({name.rsplit(".lora_A", 1)[0] for name, _ in model.named_parameters() if ".lora_A." in name})
+    # modules where PEFT now applies a non-zero LoRA (wrapped modules whose factors did not load keep B = 0)
+    applied = {name.rsplit(".lora_B", 1)[0] for name, p in model.named_parameters()
+               if ".lora_B." in name and bool(p.detach().abs().sum() > 0)}
     with torch.no_grad():
         with_adapter = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
         with model.disable_adapter():

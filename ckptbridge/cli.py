@@ -185,7 +185,7 @@ def _adapter_text(r: dict) -> str:
         if "rel_change" in live:
             lines.append(f"  live: {'OK' if live['ok'] else 'FAIL'}: the adapter changes the logits by "
                          f"{live['rel_change']:.3e} (relative L2 over {r['tokens']} tokens; not live below "
-                         f"{live['tolerance']:g}); PEFT applied {live['applied_modules']} modules")
+                         f"{live['tolerance']:g}); {live['applied_modules']} modules carry a non-zero LoRA in PEFT")
         else:
             lines.append(f"  live: FAIL: {live.get('error') or live.get('skipped')}")
     if exact is not None:

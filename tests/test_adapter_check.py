@@ -125,6 +125,12 @@ def test_targets_matching_nothing(setup):
     code, r = verify(unselected, setup["base"], exact=False)
     assert code == 6 and r["live"]["applied_modules"] == 6
     assert any("does not select" in f["message"] for f in errors(r))
+    # the other key prefix of the family: PEFT wraps the modules but loads none of the tensors
+    moved = rewrite(setup["hf"], str(setup["tmp"] / "prefix"), rename=lambda k: k.replace("model.language_model.", "model."),
+                    config={"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
+    code, r = verify(moved, setup["base"], exact=False)
+    assert code == 6 and r["live"]["rel_change"] == 0.0 and r["live"]["applied_modules"] == 0
+    assert [f["check"] for f in errors(r)] == ["targets"] and "key prefix model." in errors(r)[0]["message"]
 
 
 def test_adapter_for_another_base(setup, tmp_path):
