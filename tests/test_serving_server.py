@@ -68,9 +68,13 @@ def server(tmp_path_factory):
     info = {"url": url, "base": base, "adapters": adapters, "proc": proc, "log": log, "stderr": err, "tmp": tmp,
             "name": "tiny-gemma4", "root": root}
     yield info
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    if proc.poll() is None:  # SIGTERM lets `serving serve` stop vLLM's whole process group
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def completion_ids(url, model, ids, n):
