@@ -359,12 +359,8 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
     src, weights = lint.adapter, f.path
     where = os.path.join(src, lora.ADAPTER_CONFIG)
     known = b.by_hf_module()
-    alias_of = {alias: m.hf_modules[0] for m in b.modules for alias in m.vllm_aliases}
-    # adapter module name -> BASE module name (either key prefix of the family is accepted)
-    rename = {}
-    for name in list(known) + list(alias_of):
-        for p in b.spec.key_prefixes:
-            rename.setdefault(p + name[len(b.prefix):], name)
+    alias_of = b.vllm_aliases()
+    rename = b.module_names()  # adapter module name -> BASE module name
     base_names = _base_module_names(b)
     own, foreign, absent = {}, [], []
     for module, pair in modules.items():
@@ -494,6 +490,18 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def as_peft(adapter: str, base: str, tmp: str, *, step: int | None = None, alpha: float | None = None) -> str:
+    """``adapter`` itself when it is a PEFT directory; an Orbax LoRA checkpoint is converted
+    (``orbax-to-peft``, target hf) into ``tmp``."""
+    if adapter_kind(adapter) == "peft":
+        return adapter
+    from ckptbridge.adapters import convert_orbax_to_peft
+
+    out = os.path.join(tmp, "peft")
+    convert_orbax_to_peft(adapter, out, base=base, step=step, alpha=alpha, progress=False)
+    return out
+
+
 def _peft_live(base: str, peft_dir: str, tokens: np.ndarray) -> dict:
     """Logits of BASE with and without the adapter (transformers + PEFT, float32, eager)."""
     import torch
@@ -539,12 +547,7 @@ def verify_adapter(adapter: str, base: str, *, target: str = "hf", ids: list[int
     tokens = np.asarray([prompt_ids(base, ids=ids, prompt=prompt)])
     result["tokens"] = int(tokens.shape[1])
     with tempfile.TemporaryDirectory(prefix="ckptbridge-verify-") as tmp:
-        peft_dir = adapter
-        if lint.kind == "orbax":
-            from ckptbridge.adapters import convert_orbax_to_peft
-
-            peft_dir = os.path.join(tmp, "peft")
-            convert_orbax_to_peft(adapter, peft_dir, base=base, step=step, alpha=alpha, progress=False)
+        peft_dir = as_peft(adapter, base, tmp, step=step, alpha=alpha)
         live = _peft_live(base, peft_dir, tokens)
         logits = live.pop("logits", None)
         if "rel_change" in live:

@@ -223,6 +223,19 @@ class Base:
     def by_leaf(self) -> dict[tuple[str, ...], tuple[LoraModule, int]]:
         return {leaf: (m, i) for m in self.modules for i, leaf in enumerate(m.leaves)}
 
+    def vllm_aliases(self) -> dict[str, str]:
+        """Modules a vLLM export adds (v_proj on k_eq_v layers) -> the module whose factors they repeat."""
+        return {alias: m.hf_modules[0] for m in self.modules for alias in m.vllm_aliases}
+
+    def module_names(self) -> dict[str, str]:
+        """Every LoRA module name an adapter may use for this base (under any key prefix of the
+        family, vLLM repeats included) -> the name under the base's own prefix."""
+        names: dict[str, str] = {}
+        for name in [*self.by_hf_module(), *self.vllm_aliases()]:
+            for p in self.spec.key_prefixes:
+                names.setdefault(p + name[len(self.prefix):], name)
+        return names
+
 
 def open_base(path: str) -> Base:
     """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
@@ -468,15 +481,8 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
     weights = f.path
     known = base.by_hf_module()
     # modules of the adapter may use either key prefix of the family; map them onto the base's
-    aliases = {}
-    for name in known:
-        for p in base.spec.key_prefixes:
-            if name.startswith(base.prefix):
-                aliases[p + name[len(base.prefix):]] = name
-    alias_of = {alias: m.hf_modules[0] for m in base.modules for alias in m.vllm_aliases}
-    for alias in list(alias_of):
-        for p in base.spec.key_prefixes:
-            aliases.setdefault(p + alias[len(base.prefix):], alias)
+    aliases = base.module_names()
+    alias_of = base.vllm_aliases()
     keys: dict[str, list] = {}
     for key in f.keys():
         m = _PEFT_KEY.match(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else "")

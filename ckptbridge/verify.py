@@ -172,18 +172,12 @@ def served_parity(url: str, model: str, base: str, *, adapter: str | None = None
     ``adapter``, a PEFT directory or an Orbax LoRA checkpoint) in float32 on the same ids."""
     import tempfile
 
-    from ckptbridge.adapter_check import adapter_kind, prompt_ids
+    from ckptbridge.adapter_check import as_peft, prompt_ids
 
     ids = prompt_ids(base, ids=ids, length=12)
     got = server_greedy(url, model, ids, tokens)
     with tempfile.TemporaryDirectory(prefix="ckptbridge-served-") as tmp:
-        peft_dir = adapter
-        if adapter and adapter_kind(adapter) == "orbax":
-            from ckptbridge.adapters import convert_orbax_to_peft
-
-            peft_dir = os.path.join(tmp, "peft")
-            convert_orbax_to_peft(adapter, peft_dir, base=base, step=step, alpha=alpha, progress=False)
-        want = hf_greedy(base, peft_dir, ids, tokens)
+        want = hf_greedy(base, as_peft(adapter, base, tmp, step=step, alpha=alpha) if adapter else None, ids, tokens)
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if first is None and len(got) != len(want):
         first = min(len(got), len(want))
