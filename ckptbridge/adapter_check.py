@@ -56,7 +56,7 @@ class Lint:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     modules: int = 0  # adapter modules that are LoRA-able modules of BASE
     max_rank: int = 0
-    loadable: bool = True  # False: the adapter does not open against BASE (an Orbax checkpoint is then not checked further)
+    loadable: bool = True  # False: an Orbax checkpoint does not open against BASE (not checked further)
 
     def add(self, severity: str, check: str, message: str) -> None:
         self.findings.append(Finding(severity, check, " ".join(message.split())))
@@ -67,7 +67,7 @@ class Lint:
 
     @property
     def max_lora_rank(self) -> int:
-        return next((r for r in lora.VLLM_LORA_RANKS if r >= self.max_rank), self.max_rank)
+        return lora.next_vllm_rank(self.max_rank)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "target": self.target, "modules": self.modules, "max_rank": self.max_rank,
@@ -285,7 +285,6 @@ def _lint_peft(lint: Lint, b: lora.Base) -> None:
     cfg = lora.read_adapter_config(src)
     where = os.path.join(src, lora.ADAPTER_CONFIG)
     if cfg.get("peft_type") != "LORA":
-        lint.loadable = False
         lint.add("error", "format", f"{where}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters can be checked")
         return
     _lint_features(lint, cfg, where, b)
@@ -317,7 +316,6 @@ def _lint_peft(lint: Lint, b: lora.Base) -> None:
                      f"{weights}: {len(others)} tensor(s) are {why} (e.g. {others[0]}); vLLM and Tunix take LoRA "
                      "factors only")
         if not modules:
-            lint.loadable = False
             lint.add("error", "targets", f"{weights}: no LoRA tensors")
             return
         _lint_peft_modules(lint, b, cfg, f, modules, source)
@@ -388,7 +386,6 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
     # what PEFT wraps: target_modules against BASE's module names
     selected = [n for n in sorted(base_names) if peft_selects(cfg, n)]
     if not selected:
-        lint.loadable = False
         lint.add("error", "targets", f"{where}: target_modules {cfg.get('target_modules')!r} match no module of BASE "
                                      f"{b.path}: PEFT refuses to load it and nothing would be applied")
     else:
@@ -420,14 +417,11 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
     if half:
         lint.add("error", "format", f"{weights}: {len(half)} module(s) have only one of lora_A / lora_B (e.g. {half[0]})")
     if bad_shape:
-        lint.loadable = False
         lint.add("error", "shapes", f"{weights}: {len(bad_shape)} module(s) do not fit BASE {b.path} ({bad_shape[0]}): "
                                     "the adapter was made for another base")
     if bad_rank:
         lint.add("error", "rank", f"{weights}: {len(bad_rank)} module(s) disagree with r/rank_pattern of "
                                   f"{lora.ADAPTER_CONFIG} ({bad_rank[0]}); PEFT cannot load it: fix the config")
-    if absent and not own:
-        lint.loadable = False
     good = {n: p for n, p in own.items() if None not in p and n not in misfit}
     lint.modules = len(good)
     _values_check(lint, ((n, f.array(ka), f.array(kb)) for n, (ka, kb) in good.items()), weights)
@@ -538,7 +532,7 @@ def verify_adapter(adapter: str, base: str, *, target: str = "hf", ids: list[int
     if lint_only:
         result["ok"] = not lint.errors
         return result
-    if not lint.loadable and lint.kind == "orbax":
+    if not lint.loadable:
         reason = "skipped: the checkpoint does not fit BASE (see lint)"
         result["live"] = {"ok": False, "skipped": reason}
         result["exact"] = {"ok": None, "skipped": reason}

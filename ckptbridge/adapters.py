@@ -71,10 +71,6 @@ def _adapter_config(base: lora.Base, names: list[str], r: int, alpha: float, ran
     }
 
 
-def next_vllm_rank(rank: int) -> int:
-    return next((r for r in lora.VLLM_LORA_RANKS if r >= rank), rank)
-
-
 def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = None, alpha: float | None = None,
                           target: str = "hf", overwrite: bool = False, progress: bool | None = None) -> dict:
     """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
@@ -118,7 +114,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         if target == "vllm" and max_rank > lora.VLLM_DEFAULT_MAX_LORA_RANK:
             warnings.append(
                 f"rank {max_rank} exceeds vLLM's default --max-lora-rank {lora.VLLM_DEFAULT_MAX_LORA_RANK}: "
-                f"serve with --max-lora-rank {next_vllm_rank(max_rank)}"
+                f"serve with --max-lora-rank {lora.next_vllm_rank(max_rank)}"
             )
         for w in warnings:
             log.warning(w)

@@ -234,6 +234,12 @@ def cmd_verify_served(args) -> int:
     return 0 if r["equal"] else 6
 
 
+def _orbax_lora_options(sp) -> None:
+    """--step and --alpha of a verb that also takes a Tunix/qwix Orbax LoRA checkpoint."""
+    sp.add_argument("--step", type=int, help="step of an Orbax checkpoint root (default: latest)")
+    sp.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax checkpoint that does not record it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckptbridge",
@@ -324,8 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     mrg.add_argument("base", metavar="BASE", help="HF base model directory")
     mrg.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Orbax LoRA checkpoint")
     mrg.add_argument("dst", metavar="DST", help="merged HF model directory to create")
-    mrg.add_argument("--step", type=int, help="step of an Orbax checkpoint root (default: latest)")
-    mrg.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax checkpoint that does not record it")
+    _orbax_lora_options(mrg)
     mrg.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
     common(mrg)
     mrg.set_defaults(func=cmd_merge)
@@ -370,8 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     toks.add_argument("--ids", metavar="1,2,3", help="token ids to check on (default: 24 random ids, seed 0)")
     va.add_argument("--lint-only", action="store_true", help="files only: no model is loaded")
     va.add_argument("--no-exact", action="store_true", help="skip the Tunix+qwix comparison")
-    va.add_argument("--step", type=int, help="step of an Orbax checkpoint root (default: latest)")
-    va.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax checkpoint that does not record it")
+    _orbax_lora_options(va)
     va.add_argument("--tolerance", type=float, default=1e-4,
                     help="largest relative L2 between the two frameworks (default 1e-4)")
     va.add_argument("--live-tolerance", type=float, default=1e-6,
@@ -390,8 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--adapter", help="the adapter served as --model (PEFT directory or Orbax LoRA checkpoint)")
     vs.add_argument("--ids", metavar="1,2,3", help="prompt token ids (default: 12 random ids, seed 0)")
     vs.add_argument("--tokens", type=int, default=16, help="greedy tokens to compare (default 16)")
-    vs.add_argument("--step", type=int, help="step of an Orbax --adapter root (default: latest)")
-    vs.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax --adapter that does not record it")
+    _orbax_lora_options(vs)
     vs.add_argument("--json", action="store_true")
     vs.set_defaults(func=cmd_verify_served)
     return p

@@ -39,6 +39,11 @@ VLLM_DEFAULT_MAX_LORA_RANK = 16
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def next_vllm_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that fits ``rank``."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+
+
 def is_lora_leaf(path: tuple[str, ...]) -> bool:
     """Whether an Orbax leaf path is a qwix LoRA factor (``.../w_lora_a`` or ``.../w_lora_a/value``)."""
     names = path[-2:] if path and path[-1] == "value" else path[-1:]
