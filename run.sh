@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: set up, then the whole pipeline on an embedded tiny Gemma 4 shaped like 31B:
+# The main job: set up, then the whole pipeline on an embedded tiny model (--family gemma4|gemma3|qwen3;
+# default the Gemma 4 shaped like 31B):
 # LoRA fine-tune -> conversions -> merge -> vLLM serve -> bench -> verilog-eval; writes out/report.md.
-# Options (--base, --data, --problems, --out, --smallest): see ./run.sh --help.
+# Options (--family, --base, --data, --problems, --out, --smallest): see ./run.sh --help.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 scripts/setup.sh

@@ -73,7 +73,8 @@ def main() -> None:
     if args.url:
         url, model, tokenizer = args.url.rstrip("/"), args.model, args.tokenizer
     else:
-        from ckptbridge.testing import VLLM_DIMS, build_checkpoint
+        from ckptbridge.specs.gemma4 import VLLM_DIMS
+        from ckptbridge.testing import build_checkpoint
 
         tokenizer = build_checkpoint(os.path.join(tmp, "tiny-gemma4"), prefix="model.", **VLLM_DIMS)
         cmd = build_command(PROFILES["cpu"], tokenizer, port=free_port(), dtype="float32")

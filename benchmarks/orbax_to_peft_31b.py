@@ -94,7 +94,7 @@ def main() -> None:
     from ckptbridge import lora
     from ckptbridge.io import orbax as orbax_io
     from ckptbridge.io.safetensors import DTYPES
-    from ckptbridge.testing import text_config_kwargs
+    from ckptbridge.specs.gemma4 import text_config_kwargs
 
     tmp = args.keep or tempfile.mkdtemp(prefix="o2p-31b-")
     os.makedirs(tmp, exist_ok=True)
@@ -103,7 +103,9 @@ def main() -> None:
     with open(os.path.join(base, "config.json"), "w") as f:
         json.dump({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "dtype": "bfloat16",
                    **text_config_kwargs(True, **GEMMA4_31B)}, f, indent=2)
-    b = lora.open_base(base)
+    from ckptbridge.sources import open_base
+
+    b = open_base(base)
     bf16 = DTYPES["BF16"]
     flat = {}
     for i, mod in enumerate(b.modules):

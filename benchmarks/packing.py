@@ -68,14 +68,14 @@ def main() -> None:
     import optax
     from flax import nnx
 
-    from ckptbridge.testing import LORA_TARGETS, build_checkpoint
+    from ckptbridge.testing import lora_targets, build_checkpoint
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
     from training.trainer import lm_loss
 
     with tempfile.TemporaryDirectory() as tmp:
         base = build_checkpoint(os.path.join(tmp, "base"), tokenizer=False)
         model, _ = load_tunix_model(base, param_dtype=np.float32)
-    model = apply_lora_rules(model, [{"module_path": LORA_TARGETS, "rank": 8, "alpha": 16.0}])
+    model = apply_lora_rules(model, [{"module_path": lora_targets(), "rank": 8, "alpha": 16.0}])
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
 
     @nnx.jit

@@ -4,7 +4,7 @@ Public API::
 
     from ckptbridge import convert_safetensors_to_orbax, convert_orbax_to_safetensors, inspect_path
     from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax, merge_lora
-    from ckptbridge import load_tunix_model      # HF directory or Orbax checkpoint -> tunix Gemma4
+    from ckptbridge import load_tunix_model      # HF directory or Orbax checkpoint -> the Tunix model of its family
     from ckptbridge import verify_adapter, lint_adapter, served_parity   # is an adapter live and exact
 """
 

@@ -4,8 +4,8 @@ Three checks, cheapest first:
 
 * **lint** (files only, no model): every LoRA tensor belongs to a LoRA-able module of BASE and
   fits its shape; ``target_modules`` selects those modules (PEFT applies nothing it does not
-  select); factors are finite and not all zero; on k_eq_v layers a vLLM-bound adapter carries
-  the ``v_proj`` copies vLLM needs; rank against vLLM's ``--max-lora-rank``; features vLLM or
+  select); factors are finite and not all zero; a vLLM-bound adapter carries the copies vLLM
+  needs under the family's module aliases (a ``v_proj`` computed from ``k_proj``); rank against vLLM's ``--max-lora-rank``; features vLLM or
   Tunix cannot take (DoRA, ``modules_to_save``, biases); ``base_model_name_or_path`` against
   BASE's config. One :class:`Finding` per problem, each one line with its fix.
 * **live** (transformers + PEFT): the adapter moves BASE's logits (relative L2 of the change).
@@ -26,8 +26,12 @@ import tempfile
 
 import numpy as np
 
-from ckptbridge import lora
+from ckptbridge import lora, vllm_lora
 from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
+from ckptbridge.sources import Base, open_base
+from ckptbridge.verify import adapter_kind, as_peft, prompt_ids
+
+ALIAS = "vllm-alias"  # findings about modules vLLM computes with a LoRA slot of their own
 
 TARGETS = ("hf", "vllm")
 LIVE_TOLERANCE = 1e-6  # below this relative change of the logits, an adapter does nothing
@@ -67,7 +71,7 @@ class Lint:
 
     @property
     def max_lora_rank(self) -> int:
-        return lora.next_vllm_rank(self.max_rank)
+        return vllm_lora.next_rank(self.max_rank)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "target": self.target, "modules": self.modules, "max_rank": self.max_rank,
@@ -122,10 +126,6 @@ def peft_selects(config: dict, module: str) -> bool:
 # --------------------------------------------------------------------------- lint
 
 
-def adapter_kind(path: str) -> str:
-    return "peft" if os.path.isfile(os.path.join(path, lora.ADAPTER_CONFIG)) else "orbax"
-
-
 def _config_summary(hf_config: dict) -> dict:
     text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
     return {"model_type": text.get("model_type"), "hidden_size": text.get("hidden_size"),
@@ -160,7 +160,7 @@ def _recorded_base_config(name: str | None) -> tuple[dict | None, str]:
     return (cfg, path) if isinstance(cfg, dict) else (None, f"{path} is not a JSON object")
 
 
-def _check_recorded_base(lint: Lint, base: lora.Base, recorded: str | None, where: str) -> None:
+def _check_recorded_base(lint: Lint, base: Base, recorded: str | None, where: str) -> None:
     cfg, whence = _recorded_base_config(recorded)
     if cfg is None:
         if recorded:
@@ -210,12 +210,12 @@ def _reexport(adapter: str, base: str, source: str | None) -> str:
 def _vllm_rank(lint: Lint, where: str, merge_hint: str) -> None:
     if lint.target != "vllm" or not lint.max_rank:
         return
-    if lint.max_rank > lora.VLLM_LORA_RANKS[-1]:
+    if lint.max_rank > vllm_lora.LORA_RANKS[-1]:
         lint.add("error", "rank", f"{where}: rank {lint.max_rank} exceeds vLLM's largest --max-lora-rank "
-                                  f"{lora.VLLM_LORA_RANKS[-1]}; {merge_hint}")
-    elif lint.max_rank > lora.VLLM_DEFAULT_MAX_LORA_RANK:
+                                  f"{vllm_lora.LORA_RANKS[-1]}; {merge_hint}")
+    elif lint.max_rank > vllm_lora.DEFAULT_MAX_LORA_RANK:
         lint.add("warning", "rank", f"{where}: rank {lint.max_rank} exceeds vLLM's default --max-lora-rank "
-                                    f"{lora.VLLM_DEFAULT_MAX_LORA_RANK}: start vLLM with --max-lora-rank "
+                                    f"{vllm_lora.DEFAULT_MAX_LORA_RANK}: start vLLM with --max-lora-rank "
                                     f"{lint.max_lora_rank} (`python -m serving serve` does)")
 
 
@@ -229,7 +229,7 @@ def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | Non
         from ckptbridge.errors import InputNotFoundError
 
         raise InputNotFoundError(f"{adapter}: no such adapter directory")
-    b = lora.open_base(base)
+    b = open_base(base)
     lint = Lint(adapter, base, adapter_kind(adapter), target)
     if lint.kind == "peft":
         if step is not None or alpha is not None:
@@ -240,7 +240,7 @@ def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | Non
     return lint
 
 
-def _lint_orbax(lint: Lint, b: lora.Base, step: int | None, alpha: float | None) -> None:
+def _lint_orbax(lint: Lint, b: Base, step: int | None, alpha: float | None) -> None:
     src = lint.adapter
     try:
         ad = lora.open_orbax_lora(src, b, step=step, alpha=alpha)
@@ -255,29 +255,30 @@ def _lint_orbax(lint: Lint, b: lora.Base, step: int | None, alpha: float | None)
     with ad:
         lint.modules = sum(len(m.hf_modules) for m in ad.scaling)
         lint.max_rank = max(sc.rank for sc in ad.scaling.values())
-        meta = ad.metadata
-        _check_recorded_base(lint, b, meta.get("base") if isinstance(meta.get("base"), str) else None, ad.path)
+        _check_recorded_base(lint, b, ad.metadata.base, ad.path)
         _values_check(lint, (("/".join(m.path), *ad.factors(m)) for m in ad.scaling), ad.path)
         if lint.target == "vllm":
-            keqv = [m for m in ad.scaling if m.vllm_aliases]
+            aliased = [m for m in ad.scaling if m.vllm_aliases]
             how = f"`ckptbridge convert orbax-to-peft {src} NEW_DIR --base {b.path} --target vllm`"
             lint.add("info", "export", f"{ad.path}: a Tunix checkpoint is served by vLLM as a PEFT adapter: {how}"
-                     + (f" (it adds the v_proj copies vLLM needs on {len(keqv)} k_eq_v layer(s))" if keqv else ""))
+                     + (f" (it adds the copies vLLM needs under {len(aliased)} module alias(es), e.g. "
+                        f"{aliased[0].vllm_aliases[0]})" if aliased else ""))
         _vllm_rank(lint, ad.path, f"merge it (`ckptbridge merge {b.path} {src} MERGED`) and serve the merged model")
 
 
-def _base_module_names(b: lora.Base) -> set[str]:
+def _base_module_names(b: Base) -> set[str]:
     """Names of BASE's modules that own a weight (from the weight files' keys; no weights read)."""
     names = {name for m in b.modules for name in m.hf_modules}
     if any(n.endswith(".safetensors") for n in os.listdir(b.path)):
         from ckptbridge.io.hf import HFModelDir
 
         with HFModelDir(b.path) as model:
-            names |= {k.removesuffix(".weight") for k in model.keys() if k.endswith(".weight")}
+            names |= {b.module_prefix + k[len(b.prefix):-len(".weight")] if k.startswith(b.prefix) else
+                      k.removesuffix(".weight") for k in model.keys() if k.endswith(".weight")}
     return names
 
 
-def _lint_peft(lint: Lint, b: lora.Base) -> None:
+def _lint_peft(lint: Lint, b: Base) -> None:
     from ckptbridge.io.hf import check_inside
     from ckptbridge.io.safetensors import SafetensorsFile
 
@@ -321,7 +322,7 @@ def _lint_peft(lint: Lint, b: lora.Base) -> None:
         _lint_peft_modules(lint, b, cfg, f, modules, source)
 
 
-def _lint_features(lint: Lint, cfg: dict, where: str, b: lora.Base) -> None:
+def _lint_features(lint: Lint, cfg: dict, where: str, b: Base) -> None:
     vllm = lint.target == "vllm"
     merge = ("merge it with PEFT (`merge_and_unload`) and serve the merged model" if vllm else
              "transformers+PEFT apply it, but it cannot go to Tunix (no exact check)")
@@ -353,7 +354,7 @@ def _lint_features(lint: Lint, cfg: dict, where: str, b: lora.Base) -> None:
     _check_recorded_base(lint, b, cfg.get("base_model_name_or_path"), where)
 
 
-def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, source: str | None) -> None:
+def _lint_peft_modules(lint: Lint, b: Base, cfg: dict, f, modules: dict, source: str | None) -> None:
     src, weights = lint.adapter, f.path
     where = os.path.join(src, lora.ADAPTER_CONFIG)
     known = b.by_hf_module()
@@ -425,75 +426,31 @@ def _lint_peft_modules(lint: Lint, b: lora.Base, cfg: dict, f, modules: dict, so
     good = {n: p for n, p in own.items() if None not in p and n not in misfit}
     lint.modules = len(good)
     _values_check(lint, ((n, f.array(ka), f.array(kb)) for n, (ka, kb) in good.items()), weights)
-    # k_eq_v layers: vLLM applies a k_proj LoRA to K only; its export repeats it as v_proj
+    # vLLM aliases (vllm_lora_aliases of the family's rules): a module BASE computes from another
+    # module's output, which vLLM computes with a LoRA slot of its own; its export repeats the factors
     copies = [n for n in good if n in alias_of]
     unequal = [n for n in copies if alias_of[n] not in good or any(
         f.info(x).shape != f.info(y).shape or f.raw(x) != f.raw(y) for x, y in zip(good[n], good[alias_of[n]]))]
     if unequal:
-        lint.add("error", "k_eq_v", f"{weights}: {unequal[0]} (k_eq_v layer, V is K's output) has LoRA factors that "
-                                    f"are not a copy of {alias_of[unequal[0]]}'s: transformers ignores them and vLLM "
-                                    "applies them, so the two compute different models; " + _reexport(src, b.path, source))
-    keqv_k = [n for n in good if n in known and known[n][0].vllm_aliases]
-    missing = [n for n in keqv_k if not any(a in good for a in known[n][0].vllm_aliases)]
+        lint.add("error", ALIAS, f"{weights}: {unequal[0]} (BASE computes it from {alias_of[unequal[0]]}'s output) "
+                                 f"has LoRA factors that are not a copy of {alias_of[unequal[0]]}'s: transformers "
+                                 "ignores them and vLLM applies them, so the two compute different models; "
+                                 + _reexport(src, b.path, source))
+    aliased = [n for n in good if n in known and known[n][0].vllm_aliases]
+    missing = [n for n in aliased if not any(a in good for a in known[n][0].vllm_aliases)]
     if lint.target == "vllm" and missing:
-        lint.add("error", "k_eq_v", f"{weights}: LoRA on k_proj of {len(missing)} k_eq_v layer(s) without the v_proj "
-                                    "copies vLLM needs (vLLM would apply it to K only, transformers to K and V; made "
-                                    f"for transformers/PEFT); {_reexport(src, b.path, source)}")
+        lint.add("error", ALIAS, f"{weights}: LoRA on {len(missing)} module(s) without the copies vLLM needs under "
+                                 f"their aliases (e.g. {missing[0]} -> {known[missing[0]][0].vllm_aliases[0]}: vLLM "
+                                 "would apply it to one output only, transformers to both; made for "
+                                 f"transformers/PEFT); {_reexport(src, b.path, source)}")
     elif lint.target == "hf" and copies and not unequal:
-        lint.add("info", "k_eq_v", f"{weights}: carries {len(copies)} v_proj copies of k_proj factors for vLLM; "
-                                   "transformers+PEFT leave them unused (same model)")
+        lint.add("info", ALIAS, f"{weights}: carries {len(copies)} alias copies of LoRA factors for vLLM (e.g. "
+                                f"{copies[0]}); transformers+PEFT leave them unused (same model)")
     _vllm_rank(lint, weights, f"retrain at a lower rank or merge it (`ckptbridge merge {b.path} {src} MERGED`) and "
                               "serve the merged model")
 
 
 # --------------------------------------------------------------------------- live and exact
-
-
-def prompt_ids(base: str, *, ids: list[int] | None = None, prompt: str | None = None, length: int = 24,
-               seed: int = 0) -> list[int]:
-    """Token ids to check with: ``ids``, ``prompt`` tokenized by BASE's tokenizer, or ``length``
-    random ids from BASE's vocabulary."""
-    cfg = lora.open_base(base).cfg
-    if ids is not None and prompt is not None:
-        raise ConfigError("give --ids or --prompt, not both")
-    if prompt is not None:
-        try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(base)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{base}: no tokenizer to encode --prompt ({type(e).__name__}); pass --ids instead") from None
-        ids = list(tok(prompt)["input_ids"])
-        if not ids:
-            raise ConfigError("--prompt encodes to no tokens")
-    if ids is None:
-        ids = [int(x) for x in np.random.default_rng(seed).integers(3, cfg.vocab_size, size=length)]
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise ConfigError(f"token id {bad[0]} is outside BASE's vocabulary (0..{cfg.vocab_size - 1})")
-    return [int(i) for i in ids]
-
-
-def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ConfigError(f"--ids {text!r}: expected comma-separated integers such as 1,2,3") from None
-    if not ids:
-        raise ConfigError("--ids is empty")
-    return ids
-
-
-def as_peft(adapter: str, base: str, tmp: str, *, step: int | None = None, alpha: float | None = None) -> str:
-    """``adapter`` itself when it is a PEFT directory; an Orbax LoRA checkpoint is converted
-    (``orbax-to-peft``, target hf) into ``tmp``."""
-    if adapter_kind(adapter) == "peft":
-        return adapter
-    from ckptbridge.adapters import convert_orbax_to_peft
-
-    out = os.path.join(tmp, "peft")
-    convert_orbax_to_peft(adapter, out, base=base, step=step, alpha=alpha, progress=False)
-    return out
 
 
 def _peft_live(base: str, peft_dir: str, tokens: np.ndarray) -> dict:

@@ -16,36 +16,44 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import lora
+from ckptbridge import lora, vllm_lora
 from ckptbridge.errors import ConfigError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.safetensors import PlannedTensor, write_file
 from ckptbridge.lora import LoraModule, Scaling
+from ckptbridge.metadata import KEY, LoraRules, Metadata
 from ckptbridge.progress import Progress
+from ckptbridge.sources import Base, open_base
 
 log = logging.getLogger(__name__)
 TARGETS = ("hf", "vllm")
 KV_MODES = ("exact", "svd")
 
 
-def _target_modules_regex(names: list[str], base: lora.Base) -> str:
-    """A regex that PEFT full-matches against exactly the language-model modules in ``names``."""
+def _target_modules_regex(names: list[str], base: Base) -> str:
+    """A regex that PEFT full-matches against exactly the text-model modules in ``names``: layer
+    modules grouped by their name inside the layer (``\\d+`` when present in every layer), model
+    modules by name."""
     all_layers = {str(layer.index) for layer in base.cfg.layers}
+    head = base.module_prefix + "layers."
     layers_of: dict[str, set[str]] = {}
+    top = []
     for name in names:
-        rest = name[len(base.prefix):]  # "layers.5.self_attn.k_proj"
-        _, idx, suffix = rest.split(".", 2)
-        layers_of.setdefault(suffix, set()).add(idx)
+        if name.startswith(head) and name[len(head):].split(".", 1)[0].isdigit():
+            idx, suffix = name[len(head):].split(".", 1)
+            layers_of.setdefault(suffix, set()).add(idx)
+        else:
+            top.append(re.escape(name))
     by_layers: dict[str, list[str]] = {}
     for suffix, layers in sorted(layers_of.items()):
         key = r"\d+" if layers == all_layers else "(?:" + "|".join(sorted(layers, key=int)) + ")"
         by_layers.setdefault(key, []).append(re.escape(suffix))
-    parts = [f"{re.escape(base.prefix)}layers\\.{key}\\.(?:{'|'.join(sfx)})" for key, sfx in by_layers.items()]
+    parts = [f"{re.escape(head)}{key}\\.(?:{'|'.join(sfx)})" for key, sfx in by_layers.items()] + sorted(set(top))
     return parts[0] if len(parts) == 1 else "|".join(f"(?:{p})" for p in parts)
 
 
-def _adapter_config(base: lora.Base, names: list[str], r: int, alpha: float, rank_pattern: dict,
+def _adapter_config(base: Base, names: list[str], r: int, alpha: float, rank_pattern: dict,
                     alpha_pattern: dict, dropout: float = 0.0) -> dict:
     return {
         "peft_type": "LORA",
@@ -82,7 +90,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     if target not in TARGETS:
         raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
     check_destination(dst, [src, base], overwrite)
-    b = lora.open_base(base)
+    b = open_base(base)
     warnings: list[str] = []
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
         # every HF module that gets factors: (name, module, index into the module's pairs, scaling)
@@ -111,10 +119,10 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                     rank_pattern[re.escape(name)] = sc.rank
                 if sc.alpha != alpha_default:
                     alpha_pattern[re.escape(name)] = lora.plain_number(sc.alpha)
-        if target == "vllm" and max_rank > lora.VLLM_DEFAULT_MAX_LORA_RANK:
+        if target == "vllm" and max_rank > vllm_lora.DEFAULT_MAX_LORA_RANK:
             warnings.append(
-                f"rank {max_rank} exceeds vLLM's default --max-lora-rank {lora.VLLM_DEFAULT_MAX_LORA_RANK}: "
-                f"serve with --max-lora-rank {lora.next_vllm_rank(max_rank)}"
+                f"rank {max_rank} exceeds vLLM's default --max-lora-rank {vllm_lora.DEFAULT_MAX_LORA_RANK}: "
+                f"serve with --max-lora-rank {vllm_lora.next_rank(max_rank)}"
             )
         for w in warnings:
             log.warning(w)
@@ -143,13 +151,10 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
             tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_B.weight", dtype, shapes["b_peft"],
                                          lambda mod=mod, i=i, sc=sc: pair(mod, i, sc)[1]))
         names = [name for name, _, _, _ in plan]
-        lora_meta = ad.metadata.get("lora") if isinstance(ad.metadata.get("lora"), dict) else {}
-        dropout = float(lora_meta.get("dropout", 0.0))
+        dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
         config = _adapter_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout)
-        meta = {"ckptbridge": json.dumps({
-            "format_version": orbax_io.FORMAT_VERSION, "family": b.spec.name, "target": target,
-            "source": os.path.abspath(ad.path), "base": os.path.abspath(b.path),
-        })}
+        meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=os.path.abspath(ad.path),
+                                         base=os.path.abspath(b.path)).to_json())}
         total = sum(t.nbytes for t in tensors)
         bar = Progress(total, "orbax -> peft", enabled=progress)
         with atomic_directory(dst, overwrite) as tmp:
@@ -183,60 +188,71 @@ class _ModulePlan:
     """How one Tunix module is made from PEFT factors (decided from configs and A's alone)."""
 
     names: list[str]  # HF modules of the adapter that feed this module
-    mode: str  # "single" | "partial" (one of k/v) | "shared" (same A and scale) | "exact" | "svd"
+    mode: str  # "single" | "partial" (one of a fused module's HF modules) | "shared" (same A and scale) | "exact" | "svd"
     scaling: Scaling  # the qwix rank and alpha of the result
     dtype: np.dtype
 
 
 def _plan_module(ad: lora.PeftLora, mod: LoraModule, kv: str) -> _ModulePlan:
+    """A fused Tunix module (k/v, q/k/v) has one A for all its HF modules: separate PEFT modules
+    sharing one A and scale map as they are; otherwise ``exact`` stacks their A's (rank = the sum)
+    and ``svd`` finds the best shared A at the largest rank."""
     names = [n for n in mod.hf_modules if n in ad.keys]
     scal = [ad.scaling[n] for n in names]
     dtype = ad.dtype(names[0])
+    first = scal[0]
     if len(names) == 1:
         mode = "partial" if mod.entry.rule.fused else "single"
-        return _ModulePlan(names, mode, Scaling(scal[0].rank, scal[0].scale * scal[0].rank), dtype)
-    (ak, _), (av, _) = (ad.pair(n) for n in names)
-    sk, sv = scal
-    if sk.scale == sv.scale and ak.shape == av.shape and ak.tobytes() == av.tobytes():
-        return _ModulePlan(names, "shared", Scaling(sk.rank, sk.scale * sk.rank), dtype)
-    scale = sk.scale if sk.scale == sv.scale else 1.0  # different scales are folded into B
-    rank = sk.rank + sv.rank if kv == "exact" else max(sk.rank, sv.rank)
+        return _ModulePlan(names, mode, Scaling(first.rank, first.scale * first.rank), dtype)
+    a_list = [ad.pair(n)[0] for n in names]
+    if all(sc.scale == first.scale for sc in scal) and all(
+            a.shape == a_list[0].shape and a.tobytes() == a_list[0].tobytes() for a in a_list[1:]):
+        return _ModulePlan(names, "shared", Scaling(first.rank, first.scale * first.rank), dtype)
+    scale = first.scale if all(sc.scale == first.scale for sc in scal) else 1.0  # different scales go into B
+    rank = sum(sc.rank for sc in scal) if kv == "exact" else max(sc.rank for sc in scal)
     return _ModulePlan(names, kv, Scaling(rank, scale * rank), dtype)
 
 
 def _module_factors(ad: lora.PeftLora, mod: LoraModule, plan: _ModulePlan) -> tuple[np.ndarray, np.ndarray, float | None]:
     """qwix (A, B) of one module following its plan, and (svd) the relative error of the delta."""
-    pairs = [ad.pair(n) for n in plan.names]
-    if plan.mode in ("single", "shared"):
-        return (*lora.peft_to_tunix(mod, pairs), None)
-    if plan.mode == "partial":  # LoRA on one of k/v only: the other gets B = 0 with the same A
-        a, b = pairs[0]
-        full = [(a, b) if n in plan.names else (a, np.zeros((b.shape[0], a.shape[0]), b.dtype)) for n in mod.hf_modules]
+    pairs = {n: ad.pair(n) for n in plan.names}
+    if plan.mode == "single":
+        return (*lora.peft_to_tunix(mod, [pairs[plan.names[0]]]), None)
+    rows = {n: mod.shapes(1)["b_peft"][0] for n in mod.hf_modules}  # output size of each HF module
+    if plan.mode in ("partial", "shared"):  # one A; HF modules without LoRA get B = 0
+        a = pairs[plan.names[0]][0]
+        full = [(a, pairs[n][1]) if n in pairs else (a, np.zeros((rows[n], a.shape[0]), a.dtype)) for n in mod.hf_modules]
         return (*lora.peft_to_tunix(mod, full), None)
-    (ak, bk), (av, bv) = pairs
-    sk, sv = (ad.scaling[n] for n in plan.names)
-    fold = sk.scale != sv.scale
+    scales = {n: ad.scaling[n].scale for n in plan.names}
+    fold = len(set(scales.values())) > 1
     if plan.mode == "exact":
-        # stacked A, block-diagonal B: rank r_k + r_v, each of the k and v deltas unchanged
-        if fold:
-            bk = (bk.astype(np.float32) * np.float32(sk.scale)).astype(plan.dtype)
-            bv = (bv.astype(np.float32) * np.float32(sv.scale)).astype(plan.dtype)
-        a = np.concatenate([ak, av])
-        bk2 = np.concatenate([bk, np.zeros((bk.shape[0], av.shape[0]), plan.dtype)], axis=1)
-        bv2 = np.concatenate([np.zeros((bv.shape[0], ak.shape[0]), plan.dtype), bv], axis=1)
-        return (*lora.peft_to_tunix(mod, [(a, bk2), (a, bv2)]), None)
+        # stacked A, block-diagonal B: rank = the sum of ranks, every HF module's delta unchanged
+        a = np.concatenate([pairs[n][0] for n in plan.names])
+        full, col = [], 0
+        for n in mod.hf_modules:
+            b = np.zeros((rows[n], a.shape[0]), plan.dtype)
+            if n in pairs:
+                bn = pairs[n][1]
+                if fold:
+                    bn = (bn.astype(np.float32) * np.float32(scales[n])).astype(plan.dtype)
+                b[:, col:col + bn.shape[1]] = bn
+                col += bn.shape[1]
+            full.append((a, b))
+        return (*lora.peft_to_tunix(mod, full), None)
     # svd: the best shared rank-r A for the stacked deltas
     r = plan.scaling.rank
-    dk = sk.scale * (bk.astype(np.float64) @ ak.astype(np.float64))
-    dv = sv.scale * (bv.astype(np.float64) @ av.astype(np.float64))
-    m = np.concatenate([dk, dv])
+    width = pairs[plan.names[0]][0].shape[1]
+    deltas = [scales[n] * (pairs[n][1].astype(np.float64) @ pairs[n][0].astype(np.float64)) if n in pairs
+              else np.zeros((rows[n], width)) for n in mod.hf_modules]
+    m = np.concatenate(deltas)
     u, s, vt = np.linalg.svd(m, full_matrices=False)
     a, b = vt[:r], u[:, :r] * s[:r]
     err = float(np.linalg.norm(m - b @ a) / max(float(np.linalg.norm(m)), 1e-30))
     b = b / plan.scaling.scale
-    out = dk.shape[0]
     a = a.astype(plan.dtype)
-    return (*lora.peft_to_tunix(mod, [(a, b[:out].astype(plan.dtype)), (a, b[out:].astype(plan.dtype))]), err)
+    bounds = np.cumsum([0] + [rows[n] for n in mod.hf_modules])
+    full = [(a, b[bounds[i]:bounds[i + 1]].astype(plan.dtype)) for i in range(len(mod.hf_modules))]
+    return (*lora.peft_to_tunix(mod, full), err)
 
 
 def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", step: int = 0,
@@ -249,7 +265,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
     if step < 0:
         raise ConfigError(f"--step {step}: must be >= 0")
     check_destination(dst, [src, base], overwrite)
-    b = lora.open_base(base)
+    b = open_base(base)
     with lora.open_peft_lora(src, b) as ad:
         plans = {m: _plan_module(ad, m, kv) for m in b.modules if any(n in ad.keys for n in m.hf_modules)}
         cache: dict = {}
@@ -269,16 +285,10 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
             flat[leaf_a + ("value",)] = orbax_io.LazyArray(shapes["a_tunix"], plan.dtype, lambda m=mod: factors(m)[0])
             flat[leaf_b + ("value",)] = orbax_io.LazyArray(shapes["b_tunix"], plan.dtype, lambda m=mod: factors(m)[1])
         rules = lora.rules_for({m: p.scaling for m, p in plans.items()}, b.modules)
-        meta = {"ckptbridge": orbax_io.metadata_json({
-            "format_version": orbax_io.FORMAT_VERSION,
-            "kind": "lora",
-            "family": b.spec.name,
-            "lora": {"rules": rules, "dropout": float(ad.config.get("lora_dropout") or 0.0)},
-            "base": os.path.abspath(b.path),
-            "key_prefix": b.prefix,
-            "source": os.path.abspath(src),
-            "kv": kv,
-        })}
+        meta = {KEY: Metadata(
+            kind="lora", family=b.spec.name, lora=LoraRules(rules, float(ad.config.get("lora_dropout") or 0.0)),
+            base=os.path.abspath(b.path), key_prefix=b.prefix, source=os.path.abspath(src), kv=kv,
+        ).to_json()}
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "peft -> orbax", enabled=progress)
         for leaf in flat.values():

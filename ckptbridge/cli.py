@@ -199,7 +199,8 @@ def _adapter_text(r: dict) -> str:
 
 
 def cmd_verify_adapter(args) -> int:
-    from ckptbridge.adapter_check import parse_ids, verify_adapter
+    from ckptbridge.adapter_check import verify_adapter
+    from ckptbridge.verify import parse_ids
 
     r = verify_adapter(args.adapter, args.base, target=args.target, ids=parse_ids(args.ids) if args.ids else None,
                        prompt=args.prompt, step=args.step, alpha=args.alpha, lint_only=args.lint_only,
@@ -209,7 +210,7 @@ def cmd_verify_adapter(args) -> int:
 
 
 def cmd_verify_served(args) -> int:
-    from ckptbridge.adapter_check import parse_ids
+    from ckptbridge.verify import parse_ids
     from ckptbridge.verify import served_parity
 
     if args.tokens < 1:
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     s2o = csub.add_parser(
         "safetensors-to-orbax", help="HF model directory -> Orbax checkpoint of the Tunix state",
         description="Convert an HF model directory (model.safetensors, or shards + index) into an Orbax "
-        "checkpoint of the Tunix Gemma4 parameters (Tunix layout, source dtype). The HF config, family and "
+        "checkpoint of the Tunix parameters of its family (Tunix layout, source dtype). The HF config, family and "
         "key prefix are stored in the checkpoint's metadata, and the tokenizer files beside it.",
         epilog=EPILOG,
     )
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     o2s = csub.add_parser(
         "orbax-to-safetensors", help="Orbax checkpoint -> HF model directory",
-        description="Convert an Orbax checkpoint of Tunix Gemma4 parameters back into an HF model directory "
+        description="Convert an Orbax checkpoint of Tunix parameters back into an HF model directory "
         "(sharded safetensors + index, config.json, tokenizer files).",
         epilog=EPILOG,
     )

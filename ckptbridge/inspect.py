@@ -8,8 +8,10 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge.config import parse_config
 from ckptbridge.errors import CorruptFileError, InputNotFoundError
+from ckptbridge.qwix_lora import is_lora_a, is_lora_leaf
+from ckptbridge.sources import is_hf_directory
+from ckptbridge.specs import parse_config
 
 
 def _count(shape) -> int:
@@ -17,9 +19,8 @@ def _count(shape) -> int:
 
 
 def _inspect_hf(path: str) -> dict:
-    from ckptbridge.convert import open_hf_source
-
     from ckptbridge.io.hf import HFModelDir
+    from ckptbridge.sources import open_hf_source
 
     with HFModelDir(path) as model:
         cfg = parse_config(model.config, os.path.join(path, "config.json"))
@@ -32,7 +33,7 @@ def _inspect_hf(path: str) -> dict:
         "path": path,
         "family": cfg.family,
         "model_type": cfg.model_type,
-        "config_dialect": cfg.dialect,
+        "config_dialect": cfg.extras.get("dialect"),
         "layers": cfg.num_layers,
         "layer_kinds": cfg.layer_kinds(),
         "dtypes": dict(dtypes),
@@ -58,8 +59,6 @@ def _inspect_orbax(path: str, step: int | None) -> dict:
     with OrbaxCheckpoint(item) as ckpt:
         leaves = ckpt.leaves
         meta = ckpt.ckptbridge_metadata
-        from ckptbridge.lora import is_lora_leaf
-
         lora = any(is_lora_leaf(p) for p in leaves)
         out = {
             "kind": "orbax-lora" if lora else "orbax-weights",
@@ -76,7 +75,7 @@ def _inspect_orbax(path: str, step: int | None) -> dict:
         if lora:
             ranks = Counter()
             for p, (shape, _) in leaves.items():
-                if is_lora_leaf(p) and "_lora_a" in "/".join(p[-2:]):
+                if is_lora_a(p):
                     ranks[int(shape[-1])] += 1
             out["lora_ranks"] = {str(r): n for r, n in ranks.items()}
         return out
@@ -137,7 +136,7 @@ def inspect_path(path: str, step: int | None = None) -> dict:
         raise InputNotFoundError(f"{path}: not a directory or a .safetensors file")
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return _inspect_peft(path)
-    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "_METADATA")):
+    if is_hf_directory(path):
         return _inspect_hf(path)
     return _inspect_orbax(path, step)
 

@@ -23,31 +23,25 @@ from typing import Iterable
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from ckptbridge import layout, mapping
-from ckptbridge.config import ModelConfig, parse_config, read_config_file
+from ckptbridge.config import ModelConfig
 from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.io.hf import check_inside
-from ckptbridge.io.safetensors import SafetensorsFile
-from ckptbridge.specs import FamilySpec, get_family
+from ckptbridge.io.safetensors import SafetensorsFile, numpy_dtype
+from ckptbridge.qwix_lora import is_lora_leaf, lora_leaves
+from ckptbridge.specs import FamilySpec
+
+if TYPE_CHECKING:
+    from ckptbridge.metadata import Metadata
+    from ckptbridge.sources import Base
 
 log = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-VLLM_DEFAULT_MAX_LORA_RANK = 16
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def next_vllm_rank(rank: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts that fits ``rank``."""
-    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
-
-
-def is_lora_leaf(path: tuple[str, ...]) -> bool:
-    """Whether an Orbax leaf path is a qwix LoRA factor (``.../w_lora_a`` or ``.../w_lora_a/value``)."""
-    names = path[-2:] if path and path[-1] == "value" else path[-1:]
-    return bool(names) and names[0].endswith(("_lora_a", "_lora_b"))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -99,8 +93,17 @@ class LoraModule:
 
     @property
     def leaves(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        param = self.entry.tunix_path[-1]
-        return self.path + (f"{param}_lora_a",), self.path + (f"{param}_lora_b",)
+        return lora_leaves(self.entry.tunix_path)
+
+    @property
+    def layer(self) -> str | None:
+        """The layer index of a layer module (as in its path), None for a model-level one."""
+        return self.entry.tunix_path[1] if self.entry.layer is not None else None
+
+    @property
+    def in_layer(self) -> tuple[str, ...]:
+        """The module path inside its layer (the whole path for a model-level module)."""
+        return self.path[2:] if self.entry.layer is not None else self.path
 
     @property
     def hf_modules(self) -> tuple[str, ...]:
@@ -170,29 +173,36 @@ def plain_number(x: float) -> float | int:
 def rules_for(assigned: dict[LoraModule, Scaling], all_modules: list[LoraModule]) -> list[dict]:
     """qwix rules (``module_path`` regex, rank, alpha) that give every module in ``assigned`` its
     rank and alpha and match no other module. Each regex names exactly its modules, so order
-    does not matter; a module name present in every layer it exists in becomes ``\\d+``."""
-    layers_of: dict[tuple[str, str], set[str]] = {}
+    does not matter; a layer module present in every layer it exists in gets ``\\d+``."""
+    layers_of: dict[tuple[str, ...], set[str]] = {}
     for m in all_modules:
-        layers_of.setdefault((m.path[-2], m.path[-1]), set()).add(m.path[1])
+        if m.layer is not None:
+            layers_of.setdefault(m.in_layer, set()).add(m.layer)
     groups: dict[tuple, list[LoraModule]] = {}
     for m, sc in assigned.items():
         qwix_alpha = sc.scale * sc.rank  # qwix scale is alpha / rank
         groups.setdefault((sc.rank, plain_number(round(qwix_alpha, 12))), []).append(m)
     rules = []
     for (rank, alpha), mods in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        by_name: dict[tuple[str, str], set[str]] = {}
+        by_name: dict[tuple[str, ...], set[str]] = {}
+        top = []
         for m in mods:
-            by_name.setdefault((m.path[-2], m.path[-1]), set()).add(m.path[1])
+            if m.layer is None:
+                top.append(re.escape(m.qwix_path))
+            else:
+                by_name.setdefault(m.in_layer, set()).add(m.layer)
         full: dict[str, list[str]] = {}
         parts = []
-        for (parent, name), layers in sorted(by_name.items()):
-            if layers == layers_of[(parent, name)]:
+        for inner, layers in sorted(by_name.items()):
+            parent, name = "/".join(inner[:-1]), inner[-1]
+            if layers == layers_of[inner]:
                 full.setdefault(parent, []).append(name)
             else:
                 idx = "|".join(sorted(layers, key=int))
-                parts.append(f"layers/(?:{idx})/{parent}/{name}")
+                parts.append(f"layers/(?:{idx})/{parent + '/' if parent else ''}{name}")
         for parent, names in sorted(full.items()):
-            parts.insert(0, f"layers/\\d+/{parent}/(?:{'|'.join(names)})")
+            parts.insert(0, f"layers/\\d+/{parent + '/' if parent else ''}(?:{'|'.join(names)})")
+        parts += sorted(top)
         rules.append({"module_path": "|".join(parts) if len(parts) == 1 else "|".join(f"(?:{p})" for p in parts),
                       "rank": rank, "alpha": alpha})
     return rules
@@ -209,56 +219,6 @@ def scaling_from_rules(mod: LoraModule, rules: list[dict], where: str) -> Scalin
     return None
 
 
-# --------------------------------------------------------------------------- base model
-
-
-@dataclasses.dataclass
-class Base:
-    """The HF base model an adapter belongs to: config, family, key prefix (no weights read)."""
-
-    path: str
-    cfg: ModelConfig
-    spec: FamilySpec
-    prefix: str
-    modules: list[LoraModule]
-
-    def by_hf_module(self) -> dict[str, tuple[LoraModule, int]]:
-        return {name: (m, i) for m in self.modules for i, name in enumerate(m.hf_modules)}
-
-    def by_leaf(self) -> dict[tuple[str, ...], tuple[LoraModule, int]]:
-        return {leaf: (m, i) for m in self.modules for i, leaf in enumerate(m.leaves)}
-
-    def vllm_aliases(self) -> dict[str, str]:
-        """Modules a vLLM export adds (v_proj on k_eq_v layers) -> the module whose factors they repeat."""
-        return {alias: m.hf_modules[0] for m in self.modules for alias in m.vllm_aliases}
-
-    def module_names(self) -> dict[str, str]:
-        """Every LoRA module name an adapter may use for this base (under any key prefix of the
-        family, vLLM repeats included) -> the name under the base's own prefix."""
-        names: dict[str, str] = {}
-        for name in [*self.by_hf_module(), *self.vllm_aliases()]:
-            for p in self.spec.key_prefixes:
-                names.setdefault(p + name[len(self.prefix):], name)
-        return names
-
-
-def open_base(path: str) -> Base:
-    """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
-    if not os.path.isdir(path):
-        raise InputNotFoundError(f"{path}: --base must be the HF base model directory (with config.json)")
-    config_path = os.path.join(path, "config.json")
-    cfg = parse_config(read_config_file(config_path), config_path)
-    spec = get_family(cfg.family)
-    prefix = cfg.default_key_prefix
-    has_weights = any(n.endswith(".safetensors") for n in os.listdir(path))
-    if has_weights:
-        from ckptbridge.convert import open_hf_source
-
-        with open_hf_source(path, skip_multimodal=True) as source:
-            prefix = source.prefix
-    return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, prefix))
-
-
 # --------------------------------------------------------------------------- sources
 
 
@@ -271,7 +231,7 @@ class OrbaxLora:
     base: Base
     suffix: tuple[str, ...]
     scaling: dict[LoraModule, Scaling]
-    metadata: dict
+    metadata: "Metadata"
     batch_bytes: int = 128 << 20  # factors per read batch
     _ahead: dict = dataclasses.field(default_factory=dict)
     _pending: tuple | None = None  # (modules, result of OrbaxCheckpoint.start_read) of the next batch
@@ -342,12 +302,12 @@ def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: flo
 
 
 def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> OrbaxLora:
-    meta = ckpt.ckptbridge_metadata
+    meta = ckpt.metadata
     leaves = dict(ckpt.leaves)
     if not any(is_lora_leaf(p) for p in leaves):
         raise UnsupportedError(f"{path}: has no LoRA parameters (*_lora_a/*_lora_b); for full weights use orbax-to-safetensors")
-    if meta.get("family") not in (None, base.spec.name):
-        raise MismatchError(f"{path}: LoRA of family {meta['family']!r}, but the base {base.path} is {base.spec.name!r}")
+    if meta.family not in (None, base.spec.name):
+        raise MismatchError(f"{path}: LoRA of family {meta.family!r}, but the base {base.path} is {base.spec.name!r}")
     suffix = ckpt.value_suffix
     by_leaf = base.by_leaf()
     present: dict[LoraModule, list] = {}
@@ -360,7 +320,7 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
             )
         mod, i = by_leaf[key]
         present.setdefault(mod, [None, None])[i] = leaves[p]
-    rules = (meta.get("lora") or {}).get("rules") if isinstance(meta.get("lora"), dict) else None
+    rules = meta.lora.rules if meta.lora else None
     scaling: dict[LoraModule, Scaling] = {}
     for mod, (a, b) in present.items():
         name = "/".join(mod.path)
@@ -406,8 +366,6 @@ class PeftLora:
         return self.file.array(ka), self.file.array(kb)
 
     def dtype(self, hf_module: str) -> np.dtype:
-        from ckptbridge.io.safetensors import numpy_dtype
-
         return numpy_dtype(self.file.info(self.keys[hf_module][0]).dtype)
 
     def close(self) -> None:
@@ -505,7 +463,7 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
         keys.setdefault(module, [None, None])["AB".index(m.group("ab"))] = key
     if not keys:
         raise MismatchError(f"{weights}: no LoRA tensors")
-    # A vLLM export repeats k_proj's factors as v_proj on k_eq_v layers: drop those repeats.
+    # A vLLM export repeats some modules' factors under an alias (vllm_lora_aliases): drop those repeats.
     vllm_repeats = 0
     for alias, canonical in alias_of.items():
         if alias not in keys:
@@ -517,8 +475,9 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
         )
         if not same:
             raise MismatchError(
-                f"{weights}: {alias} has LoRA factors but the base layer has no v_proj (k_eq_v) and they are not "
-                f"a copy of {canonical}'s (as in a vLLM export); the adapter does not fit the base {base.path}"
+                f"{weights}: {alias} has LoRA factors but the base layer computes it with {canonical} (no module "
+                f"of its own) and they are not a copy of {canonical}'s (as in a vLLM export); the adapter does not "
+                f"fit the base {base.path}"
             )
         vllm_repeats += 1
     r, alpha = cfg["r"], cfg["lora_alpha"]

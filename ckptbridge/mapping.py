@@ -43,22 +43,24 @@ class Entry:
 
     @property
     def key_prefix(self) -> str:
-        """The HF key prefix of this entry (up to and including ``layers.{i}.``)."""
+        """The HF key prefix of this entry (up to and including ``layers.{i}.``; empty for absolute keys)."""
         return self.hf_keys[0][: len(self.hf_keys[0]) - len(self.rule.hf[0])]
 
 
 def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
-    """Every tensor of the text model: model-level tensors, then each layer's."""
-    model_rules = [r for r in spec.rules if r.scope == "model"]
+    """Every tensor of the text model: model-level tensors, then each layer's. HF keys are
+    ``prefix + suffix`` (model tensors), ``prefix + layers.{i}. + suffix`` (layer tensors), or the
+    suffix alone (rules with absolute keys)."""
+    out = []
+    for r in spec.rules:
+        if r.scope == "model" and r.applies(cfg.flags):
+            keys = tuple(k if r.absolute else prefix + k for k in r.hf)
+            out.append(Entry(r, None, keys, tuple(r.tunix.split(".")), cfg.model_sizes()))
     layer_rules = [r for r in spec.rules if r.scope == "layer"]
-    out = [
-        Entry(r, None, tuple(prefix + k for k in r.hf), tuple(r.tunix.split(".")), cfg.model_sizes())
-        for r in model_rules
-    ]
     for layer in cfg.layers:
-        sizes = cfg.layer_sizes(layer)
+        sizes, flags = cfg.layer_sizes(layer), cfg.layer_flags(layer)
         for r in layer_rules:
-            if r.applies(layer.flags):
+            if r.applies(flags):
                 keys = tuple(f"{prefix}layers.{layer.index}.{k}" for k in r.hf)
                 out.append(Entry(r, layer, keys, ("layers", str(layer.index), *r.tunix.split(".")), sizes))
     return out

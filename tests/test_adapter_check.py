@@ -12,7 +12,7 @@ from ckptbridge import lora
 from ckptbridge.adapter_check import lint_adapter, peft_selects, verify_adapter
 from ckptbridge.adapters import convert_orbax_to_peft
 from ckptbridge.io.safetensors import DTYPES, PlannedTensor, SafetensorsFile, write_file
-from ckptbridge.testing import LORA_TARGETS, build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
+from ckptbridge.testing import lora_targets, build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
 
 from conftest import run_cli, tree_hash
 
@@ -27,7 +27,7 @@ def setup(checkpoints, tmp_path_factory):
     jax.config.update("jax_default_matmul_precision", "highest")
     base = checkpoints["keqv_lm_f32_sharded"]
     tmp = tmp_path_factory.mktemp("verify-adapter")
-    model, rules = build_tunix_lora(base, [{"module_path": LORA_TARGETS, "rank": 4, "alpha": 10.0}], seed=4)
+    model, rules = build_tunix_lora(base, [{"module_path": lora_targets(), "rank": 4, "alpha": 10.0}], seed=4)
     root = save_tunix_lora(model, str(tmp / "ckpt"), step=2, custom_metadata={
         "ckptbridge": {"kind": "lora", "family": "gemma4", "lora": {"rules": rules}}})
     plain = save_tunix_lora(model, str(tmp / "plain"), step=2)  # no metadata: alpha unknown
@@ -87,7 +87,7 @@ def test_good_adapter_passes_both_ways(setup):
     assert code == 0 and r["ok"] and r["lint"]["modules"] == 42 and r["exact"]["skipped"] == "--no-exact"
     code, r = verify(setup["vllm"], setup["base"], prompt="module TopModule(input clk);")
     assert code == 0 and r["exact"]["rel_l2"] <= 1e-5 and r["tokens"] > 3
-    assert [f["check"] for f in r["lint"]["findings"]] == ["k_eq_v"]  # info: the v_proj copies are unused
+    assert [f["check"] for f in r["lint"]["findings"]] == ["vllm-alias"]  # info: the v_proj copies are unused
 
 
 def test_text_output_is_one_line_per_finding(setup):
@@ -95,7 +95,7 @@ def test_text_output_is_one_line_per_finding(setup):
     assert proc.returncode == 6
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith(f"verify adapter {setup['hf']} (peft, target vllm)")
-    assert lines[1].startswith("  lint: error: [k_eq_v]") and lines[-1] == "-> FAIL"
+    assert lines[1].startswith("  lint: error: [vllm-alias]") and lines[-1] == "-> FAIL"
     # the fix names the checkpoint the adapter was exported from
     assert f"ckptbridge convert orbax-to-peft {setup['root']}" in lines[1] and "--target vllm" in lines[1]
 

@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-from ckptbridge.config import FULL, SLIDING, parse_config
+from ckptbridge.config import FULL, SLIDING
 from ckptbridge.errors import ConfigError, UnsupportedError
-from ckptbridge.testing import text_config_kwargs, to_per_layer_config
+from ckptbridge.specs import parse_config
+from ckptbridge.specs.gemma4 import text_config_kwargs, to_per_layer_config
 
 
 def text(**kw):
@@ -20,7 +21,7 @@ def wrapped(**kw):
 
 def test_layer_kinds_31b_shape():
     cfg = parse_config(text())
-    kinds = [(layer.attention, layer.head_dim, layer.num_kv_heads, layer.k_eq_v) for layer in cfg.layers]
+    kinds = [(layer.attention, layer.head_dim, layer.num_kv_heads, layer.flags["k_eq_v"]) for layer in cfg.layers]
     assert kinds[:5] == [(SLIDING, 12, 2, False)] * 5
     assert kinds[5] == (FULL, 20, 1, True)
     assert kinds[11] == (FULL, 20, 1, True)
@@ -32,7 +33,7 @@ def test_global_without_k_eq_v_uses_global_head_dim_and_plain_kv_heads():
     cfg = parse_config(text(attention_k_eq_v=False))
     g = cfg.layers[5]
     # transformers applies num_global_key_value_heads only to k_eq_v layers
-    assert (g.head_dim, g.num_kv_heads, g.k_eq_v) == (20, 2, False)
+    assert (g.head_dim, g.num_kv_heads, g.flags["k_eq_v"]) == (20, 2, False)
     assert g.flags == {"k_eq_v": False, "kv_fused": True, "global": True}
 
 
@@ -56,7 +57,7 @@ def test_per_layer_config_dialect_equals_legacy(tmp_path, k_eq_v, wrap):
     assert "global_head_dim" not in inner and "per_layer_config" in inner
     a, b = parse_config(legacy), parse_config(new)
     assert a.layers == b.layers
-    assert (a.dialect, b.dialect) == ("legacy", "per_layer_config")
+    assert (a.extras["dialect"], b.extras["dialect"]) == ("legacy", "per_layer_config")
 
 
 def test_defaults_follow_transformers():

@@ -70,7 +70,8 @@ def test_safetensors_reader_on_structured_headers(header, data, delta):
 @FAST
 @given(st.binary(max_size=400))
 def test_config_reader(data):
-    from ckptbridge.config import parse_config, read_config_file
+    from ckptbridge.config import read_config_file
+    from ckptbridge.specs import parse_config
 
     def go(path):
         parse_config(read_config_file(path))
@@ -91,7 +92,7 @@ json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**7
                                         "num_key_value_heads", "attention_k_eq_v", "sliding_window",
                                         "global_head_dim", "intermediate_size"]), json_values, max_size=10))
 def test_config_parser_on_json_shaped_garbage(cfg):
-    from ckptbridge.config import parse_config
+    from ckptbridge.specs import parse_config
 
     expect_ours(parse_config, cfg)
 

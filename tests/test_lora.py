@@ -12,7 +12,8 @@ from ckptbridge.errors import ConfigError, MismatchError, OutputError, Unsupport
 from ckptbridge.io.orbax import OrbaxCheckpoint, nest
 from ckptbridge.io.safetensors import SafetensorsFile
 from ckptbridge.merge import merge_lora
-from ckptbridge.testing import LORA_TARGETS, build_peft_adapter, build_tunix_lora, save_tunix_lora
+from ckptbridge.sources import open_base
+from ckptbridge.testing import lora_targets, build_peft_adapter, build_tunix_lora, save_tunix_lora
 from ckptbridge.verify import hf_logits, peft_logits, rel_l2, tunix_logits
 
 from conftest import tree_hash
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 TOKENS = np.random.default_rng(11).integers(0, 300, size=(2, 11))
 # alpha != rank everywhere; kv at its own rank
 RULES = [{"module_path": ".*kv_einsum", "rank": 8, "alpha": 32.0},
-         {"module_path": LORA_TARGETS, "rank": 4, "alpha": 10.0}]
+         {"module_path": lora_targets(), "rank": 4, "alpha": 10.0}]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def tunix_lora(checkpoints, tmp_path_factory, precise):
 def plain_tunix_lora(checkpoints, tmp_path_factory, precise):
     """The same without any metadata (as a plain Tunix run writes it): alpha must be given."""
     base = checkpoints["kv_text_f32_sharded"]
-    model, _ = build_tunix_lora(base, [{"module_path": LORA_TARGETS, "rank": 4, "alpha": 6.0}], seed=2)
+    model, _ = build_tunix_lora(base, [{"module_path": lora_targets(), "rank": 4, "alpha": 6.0}], seed=2)
     root = str(tmp_path_factory.mktemp("plain") / "ckpt")
     save_tunix_lora(model, root, step=5)
     return {"base": base, "root": root, "logits": tunix_logits(model, TOKENS)}
@@ -192,7 +193,7 @@ def test_round_trip_orbax_peft_orbax_is_bitwise(tunix_lora, tmp_path):
             assert a.read([leaf])[leaf].tobytes() == b.read([leaf])[leaf].tobytes(), leaf
         rules_a = a.ckptbridge_metadata["lora"]["rules"]
         rules_b = b.ckptbridge_metadata["lora"]["rules"]
-    base = lora.open_base(tunix_lora["base"])
+    base = open_base(tunix_lora["base"])
     for mod in base.modules:  # the recorded rules give every module the same rank and alpha
         assert lora.scaling_from_rules(mod, rules_a, "a") == lora.scaling_from_rules(mod, rules_b, "b")
 
@@ -230,7 +231,7 @@ def test_round_trip_peft_orbax_peft_keeps_deltas(peft_adapter, tmp_path):
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
     convert_peft_to_orbax(peft_adapter["path"], ckpt, base=peft_adapter["base"], progress=False)
     convert_orbax_to_peft(ckpt, back, base=peft_adapter["base"], progress=False)
-    base = lora.open_base(peft_adapter["base"])
+    base = open_base(peft_adapter["base"])
     with lora.open_peft_lora(peft_adapter["path"], base) as a, lora.open_peft_lora(back, base) as b:
         assert set(a.keys) == set(b.keys)
         for module in a.keys:

@@ -21,7 +21,8 @@ def tunix_from_restored_tree(orbax_dir, hf_dir):
     from flax import nnx
     from tunix.models.gemma4 import model as gm
 
-    from ckptbridge.config import parse_config, read_config_file
+    from ckptbridge.config import read_config_file
+    from ckptbridge.specs import parse_config
     from ckptbridge.tunix_model import tunix_model_config
 
     tree = ocp.StandardCheckpointer().restore(os.path.abspath(orbax_dir))

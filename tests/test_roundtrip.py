@@ -144,7 +144,7 @@ def test_per_layer_config_dialect(checkpoints, tmp_path):
 
     import jax
 
-    from ckptbridge.testing import to_per_layer_config
+    from ckptbridge.specs.gemma4 import to_per_layer_config
     from ckptbridge.tunix_model import load_tunix_model
     from ckptbridge.verify import hf_logits, tunix_logits
 

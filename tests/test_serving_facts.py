@@ -23,7 +23,8 @@ def run_serving(*args, timeout=300):
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     """Model directories that differ in where the length and dtype come from (weights shared)."""
-    from ckptbridge.testing import VLLM_DIMS, build_checkpoint
+    from ckptbridge.specs.gemma4 import VLLM_DIMS
+    from ckptbridge.testing import build_checkpoint
 
     root = tmp_path_factory.mktemp("facts")
     small = {**VLLM_DIMS, "num_hidden_layers": 2}

@@ -35,13 +35,14 @@ def server(tmp_path_factory):
     import jax
 
     from ckptbridge.adapters import convert_orbax_to_peft
-    from ckptbridge.testing import (LORA_TARGETS, VLLM_DIMS, build_checkpoint, build_peft_adapter, build_tunix_lora,
+    from ckptbridge.specs.gemma4 import VLLM_DIMS
+    from ckptbridge.testing import (lora_targets, build_checkpoint, build_peft_adapter, build_tunix_lora,
                                     save_tunix_lora)
 
     jax.config.update("jax_default_matmul_precision", "highest")
     tmp = tmp_path_factory.mktemp("serve")
     base = build_checkpoint(str(tmp / "tiny-gemma4"), prefix="model.", max_position_embeddings=256, **VLLM_DIMS)
-    model, rules = build_tunix_lora(base, [{"module_path": LORA_TARGETS, "rank": 8, "alpha": 16.0}], seed=1, scale=1.0)
+    model, rules = build_tunix_lora(base, [{"module_path": lora_targets(), "rank": 8, "alpha": 16.0}], seed=1, scale=1.0)
     root = save_tunix_lora(model, str(tmp / "ckpt"), custom_metadata={
         "ckptbridge": {"family": "gemma4", "kind": "lora", "lora": {"rules": rules}}})
     adapters = {t: str(tmp / f"adapter-{t}") for t in ("hf", "vllm")}

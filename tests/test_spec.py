@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 from ckptbridge import mapping
-from ckptbridge.config import parse_config
-from ckptbridge.specs import GEMMA4
-from ckptbridge.testing import text_config_kwargs
+from ckptbridge.specs import GEMMA4, parse_config
+from ckptbridge.specs.gemma4 import text_config_kwargs
 
 V, D, N, K, H, HG, KG, F = 300, 40, 4, 2, 12, 20, 1, 56
 

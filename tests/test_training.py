@@ -111,7 +111,9 @@ def test_lora_under_remat_and_dropout(base, tokenizer):
     from flax import nnx
 
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
-    from training.trainer import _dropout_stream, _reseed, lm_loss
+    from ckptbridge.qwix_lora import dropout_stream, reseed
+    from ckptbridge.specs import GEMMA4
+    from training.trainer import lm_loss
 
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg = build_config("tiny-cpu", None, ["dropout=0.1"])
@@ -121,18 +123,18 @@ def test_lora_under_remat_and_dropout(base, tokenizer):
     grads = {}
     for remat in (None, "decoder", "block"):
         model, _ = load_tunix_model(base, param_dtype=np.float32, remat=remat)
-        model = apply_lora_rules(model, [dict(r, dropout=cfg.dropout) for r in cfg.lora_rules()])
+        model = apply_lora_rules(model, [dict(r, dropout=cfg.dropout) for r in cfg.lora_rules(GEMMA4.lora_targets)])
         state = nnx.state(model, nnx.LoRAParam)
         assert len(nnx.to_flat_state(state)) == 72  # 6 layers x 7 targets x (A, B), k_einsum on the global one
         # non-zero B so that dropout reaches the loss
         nnx.update(model, jax.tree.map(lambda x: x + 0.01, state))
-        rngs = _dropout_stream(model, cfg)
+        rngs = dropout_stream(model, cfg.seed)
         grad_fn = nnx.grad(lambda m: lm_loss(m, batch)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))
-        _reseed(rngs, cfg.seed, 0)
+        reseed(rngs, cfg.seed, 0)
         first = grad_fn(model)
-        _reseed(rngs, cfg.seed, 1)
+        reseed(rngs, cfg.seed, 1)
         other = grad_fn(model)
-        _reseed(rngs, cfg.seed, 0)
+        reseed(rngs, cfg.seed, 0)
         again = grad_fn(model)
         flat = lambda g: np.concatenate([np.ravel(v.get_value()) for _, v in nnx.to_flat_state(g)])  # noqa: E731
         assert np.array_equal(flat(first), flat(again))  # masks depend on (seed, micro-batch) only
@@ -163,7 +165,8 @@ def test_presets_and_overrides(tmp_path):
 
 
 def test_mesh_rules_are_named(base):
-    from ckptbridge.config import parse_config, read_config_file
+    from ckptbridge.config import read_config_file
+    from ckptbridge.specs import parse_config
     from ckptbridge.errors import ConfigError
     from training.mesh import check_mesh
 

@@ -1,4 +1,5 @@
-"""``python -m training``: LoRA SFT of a Gemma 4 base on CodeV-R1-format data.
+"""``python -m training``: LoRA SFT of an HF base model (any family ckptbridge builds Tunix models for;
+the family comes from the base's config.json) on CodeV-R1-format data.
 
     python -m training --preset tiny-cpu --base HF_DIR --data DATA.jsonl --out RUN_DIR [--max-steps N]
                        [--config FILE.yaml] [--no-packing] [key=value ...]
@@ -24,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="python -m training",
-        description="LoRA SFT (Tunix + qwix + Grain) of a Gemma 4 HF base model on CodeV-R1 jsonl rows "
+        description="LoRA SFT (Tunix + qwix + Grain) of an HF base model (its family from its config.json) on "
+        "CodeV-R1 jsonl rows "
         "(prompt, response). Settings: a preset, then --config, then key=value overrides "
         f"(any of: {', '.join(f.name for f in __import__('dataclasses').fields(TrainConfig))}).",
         epilog="Exit codes as for ckptbridge: 3 input not found, 4 corrupt file, 5 unsupported, 8 configuration.",

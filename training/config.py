@@ -11,6 +11,9 @@ Presets:
 
 Differences from the paper, on purpose: LoRA also on ``k_einsum`` (the paper's regex missed the
 global layers' K=V projection) and sequence packing on (``packing=false`` reproduces the paper).
+
+``targets`` are qwix module names; empty (the default) means every LoRA target of the base's
+family (its spec's ``lora_targets``), so ``tiny-cpu`` trains any family.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import os
 from typing import Any
 
 from ckptbridge.errors import ConfigError
+from ckptbridge.specs import FAMILIES
 
-ALL_TARGETS = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gate_proj", "up_proj", "down_proj")
+# the paper's recipe, plus k_einsum (see above)
+PAPER_TARGETS = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass
@@ -31,7 +36,7 @@ class TrainConfig:
     rank: int = 64
     alpha: float = 64.0
     dropout: float = 0.05
-    targets: tuple[str, ...] = ALL_TARGETS
+    targets: tuple[str, ...] = ()  # qwix module names; () = every LoRA target of the base's family
     # optimizer (AdamW, linear warmup then cosine to 0)
     learning_rate: float = 1e-4
     warmup_steps: int = 100
@@ -59,12 +64,14 @@ class TrainConfig:
     usd_per_hour: float = 16.80  # TPU v5p-8 on-demand rate used by the paper's cost figures
     xla_flags: str = "--xla_llvm_disable_expensive_passes=true"
 
-    @property
-    def module_regex(self) -> str:
-        return f".*({'|'.join(self.targets)})"
-
-    def lora_rules(self) -> list[dict]:
-        return [{"module_path": self.module_regex, "rank": self.rank, "alpha": self.alpha}]
+    def lora_rules(self, family_targets: tuple[str, ...] = ()) -> list[dict]:
+        """The qwix rules of this recipe on a base whose family has the LoRA targets ``family_targets``."""
+        targets = self.targets or family_targets
+        unknown = [t for t in targets if t not in family_targets] if family_targets else []
+        if unknown or not targets:
+            raise ConfigError(f"invalid setting: targets {', '.join(unknown) or '(none)'}: the base's family has "
+                              f"the LoRA targets {', '.join(family_targets) or '(none given)'}")
+        return [{"module_path": f".*({'|'.join(targets)})", "rank": self.rank, "alpha": self.alpha}]
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -73,7 +80,7 @@ class TrainConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "gemma4-31b-v5p8": {},
+    "gemma4-31b-v5p8": dict(targets=PAPER_TARGETS),
     "tiny-cpu": dict(
         rank=8, alpha=16.0, dropout=0.0, learning_rate=3e-3, warmup_steps=2, micro_batch=1, grad_accum=4,
         checkpoint_every=10, keep_checkpoints=3, fsdp=1, tp=1,
@@ -154,6 +161,10 @@ def _read_file(path: str) -> dict:
     return data
 
 
+def known_targets() -> set[str]:
+    return {t for spec in FAMILIES.values() for t in spec.lora_targets}
+
+
 def validate(cfg: TrainConfig) -> None:
     checks = [
         (cfg.rank >= 1, "rank must be >= 1"),
@@ -165,7 +176,8 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.remat in ("none", "block", "decoder"), "remat must be none, block or decoder"),
         (cfg.checkpoint_every >= 1 and cfg.keep_checkpoints >= 1, "checkpoint_every and keep_checkpoints must be >= 1"),
         (cfg.max_steps is None or cfg.max_steps >= 1, "max_steps must be >= 1"),
-        (set(cfg.targets) <= set(ALL_TARGETS) and cfg.targets, f"targets must be among {', '.join(ALL_TARGETS)}"),
+        (set(cfg.targets) <= known_targets(), "targets must be qwix LoRA targets of a family: "
+         f"{', '.join(sorted(known_targets()))} (empty: all of the base's family)"),
         (cfg.param_dtype in ("float32", "bfloat16") and cfg.dtype in ("float32", "bfloat16"),
          "param_dtype and dtype must be float32 or bfloat16"),
     ]

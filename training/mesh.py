@@ -40,8 +40,8 @@ def check_mesh(fsdp: int, tp: int, n_devices: int, cfg: ModelConfig) -> None:
     for what, sizes in (("query heads", [cfg.num_heads]), ("kv heads", kv), ("global kv heads", gkv)):
         for size in sizes:
             if size % tp:
-                raise ConfigError(f"tp={tp} must divide the {what} ({size}); e.g. Gemma 4 31B has 4 global kv "
-                                  "heads, hence tp=4 on a v5p-8, not 8")
+                raise ConfigError(f"tp={tp} must divide the {what} ({size}): Tunix shards heads over tp (a "
+                                  "model with 4 kv heads on its global layers takes tp=4 on a v5p-8, not 8)")
     if cfg.hidden_size % fsdp or cfg.intermediate_size % fsdp:
         raise ConfigError(f"fsdp={fsdp} must divide the hidden size ({cfg.hidden_size}) and the MLP width "
                           f"({cfg.intermediate_size})")
@@ -54,29 +54,3 @@ def make_mesh(fsdp: int, tp: int, cfg: ModelConfig):
     devices = jax.devices()
     check_mesh(fsdp, tp, len(devices), cfg)
     return Mesh(np.asarray(devices).reshape(fsdp, tp), ("fsdp", "tp"))
-
-
-def fix_lora_shardings(model, mesh) -> tuple[int, int]:
-    """Give every LoRA factor a sharding that fits it: qwix copies the base weight's annotation
-    onto A and B, whose ranks and sizes differ; an annotation of the wrong length, or one that
-    does not divide a dimension, becomes replicated. Places the factors on the mesh. Returns
-    (annotations replaced, factors)."""
-    import jax
-    from flax import nnx
-
-    state = nnx.state(model, nnx.LoRAParam)
-    replaced = 0
-    flat = nnx.to_flat_state(state)
-    for _, var in flat:
-        spec = var.get_metadata().get("out_sharding")
-        shape = var.get_value().shape
-        ok = spec is not None and len(spec) == len(shape) and all(
-            axis is None or size % int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))])) == 0
-            for axis, size in zip(spec, shape)
-        )
-        if not ok:
-            var.set_metadata(out_sharding=(None,) * len(shape))
-            replaced += 1
-    shardings = nnx.get_named_sharding(state, mesh)
-    nnx.update(model, jax.device_put(state, shardings))
-    return replaced, len(flat)

@@ -1,4 +1,4 @@
-"""The LoRA SFT loop: Tunix Gemma4 (loaded through ckptbridge) + qwix LoRA + optax AdamW, on a mesh.
+"""The LoRA SFT loop: the base family's Tunix model (loaded through ckptbridge) + qwix LoRA + optax AdamW, on a mesh.
 
 Loss: next-token cross-entropy averaged over the loss tokens of a micro-batch; an optimizer
 step averages the gradients of ``grad_accum`` micro-batches (so the reported step loss is the
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ckptbridge.io.orbax import FORMAT_VERSION, metadata_json
+from ckptbridge.metadata import KEY, LoraRules, Metadata
 from training import data as data_lib
 from training.config import TrainConfig
 
@@ -79,14 +79,16 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     from tunix.sft.checkpoint_manager import CheckpointManager
 
     import orbax.checkpoint as ocp
-    from ckptbridge import lora as lora_lib
+    from ckptbridge import qwix_lora
+    from ckptbridge.sources import open_base
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
-    from training.mesh import fix_lora_shardings, make_mesh
+    from training.mesh import make_mesh
 
     t_start = time.perf_counter()
     run = Run(out)
     os.makedirs(run.root, exist_ok=True)
-    base_info = lora_lib.open_base(base)
+    base_info = open_base(base)
+    lora_rules = cfg.lora_rules(base_info.spec.lora_targets)
     settings = {**cfg.to_dict(), "base": os.path.abspath(base), "data": os.path.abspath(data_path)}
     _check_same_run(run, settings)
     with open(run.config, "w") as f:
@@ -115,12 +117,14 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     # model
     mesh = make_mesh(cfg.fsdp, cfg.tp, base_info.cfg)
+    if base_info.cfg.towers:
+        log.info("base has %s towers: training the text model (Tunix builds it alone)", ", ".join(base_info.cfg.towers))
     model, _ = load_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
-                                remat=None if cfg.remat == "none" else cfg.remat)
-    rules = [dict(r, dropout=cfg.dropout) for r in cfg.lora_rules()]
+                                remat=None if cfg.remat == "none" else cfg.remat, skip_multimodal=True)
+    rules = [dict(r, dropout=cfg.dropout) for r in lora_rules]
     model = apply_lora_rules(model, rules, seed=cfg.seed)
-    replaced, total = fix_lora_shardings(model, mesh)
-    dropout_rngs = _dropout_stream(model, cfg)
+    replaced, total = qwix_lora.fix_lora_shardings(model, mesh)
+    dropout_rngs = qwix_lora.dropout_stream(model, cfg.seed) if cfg.dropout > 0 else None
     log.info("mesh %s; LoRA factors: %d of %d sharded over it, %d replicated (their base annotation does not "
              "fit them)", dict(mesh.shape), total - replaced, total, replaced)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -134,12 +138,12 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     manager = CheckpointManager(os.path.abspath(run.checkpoints), options=ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, create=True, enable_async_checkpointing=False))
     step, meta = manager.maybe_restore(model, optimizer, restore_only_lora_params=True)
-    state = (meta or {}).get("ckptbridge", {})
-    tokens_seen = int(state.get("tokens_seen", 0))
+    state = Metadata.from_json((meta or {}).get(KEY))
+    tokens_seen = state.tokens_seen or 0
     if step:
         log.info("resumed from step %d (%d tokens seen)", step, tokens_seen)
         _truncate_metrics(run.metrics, step)
-    iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args), state.get("data_state"))
+    iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args), state.data_state)
 
     @nnx.jit
     def grad_step(model, batch):
@@ -164,12 +168,11 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     batch_sharding = _batch_sharding(mesh, cfg.micro_batch)
 
     def metadata(step: int) -> dict:
-        return {"ckptbridge": metadata_json({
-            "format_version": FORMAT_VERSION, "kind": "lora", "family": base_info.spec.name,
-            "lora": {"rules": cfg.lora_rules(), "dropout": cfg.dropout},
-            "base": os.path.abspath(base), "key_prefix": base_info.prefix, "step": step,
-            "tokens_seen": tokens_seen, "data_state": iterator.get_state(),
-        })}
+        return {KEY: Metadata(
+            kind="lora", family=base_info.spec.name, lora=LoraRules(lora_rules, cfg.dropout),
+            base=os.path.abspath(base), key_prefix=base_info.prefix, step=step, tokens_seen=tokens_seen,
+            data_state=iterator.get_state(),
+        ).to_json()}
 
     bar = _progress(total_steps, step, progress)
     seq_tokens = cfg.micro_batch * cfg.max_length
@@ -183,7 +186,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                 except StopIteration:
                     break
                 if dropout_rngs is not None:
-                    _reseed(dropout_rngs, cfg.seed, step * cfg.grad_accum + micro)
+                    qwix_lora.reseed(dropout_rngs, cfg.seed, step * cfg.grad_accum + micro)
                 real += int((host["segment_ids"] > 0).sum())
                 batch = jax.device_put({k: np.asarray(v, np.int32) for k, v in host.items()}, batch_sharding)
                 loss, count, grads = grad_step(model, batch)
@@ -215,26 +218,6 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     manager.close()
     summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start)
     return summary
-
-
-def _dropout_stream(model, cfg: TrainConfig):
-    """qwix draws LoRA dropout masks from the ``qwix_rngs`` attribute of the module it runs in:
-    give every module one shared stream (None when dropout is off)."""
-    if cfg.dropout <= 0:
-        return None
-    from flax import nnx
-
-    rngs = nnx.Rngs(dropout=cfg.seed)
-    model.set_attributes(qwix_rngs=rngs)
-    return rngs
-
-
-def _reseed(rngs, seed: int, micro_batch_index: int) -> None:
-    """Masks depend on (seed, global micro-batch index) only, so a resumed run draws the same ones."""
-    import jax
-
-    rngs.dropout.key[...] = jax.random.fold_in(jax.random.key(seed), micro_batch_index)
-    rngs.dropout.count[...] = 0
 
 
 def _check_same_run(run: Run, settings: dict) -> None:

@@ -11,6 +11,7 @@ from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchErro
 from ckptbridge.io.safetensors import SafetensorsFile, TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 WEIGHT_SUFFIXES = (".safetensors", ".h5", ".msgpack", ".gguf") + PICKLE_SUFFIXES

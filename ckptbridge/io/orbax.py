@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError
+from ckptbridge.metadata import KEY as METADATA_KEY
+from ckptbridge.metadata import Metadata
 
 log = logging.getLogger(__name__)
 
 Path = tuple[str, ...]
-METADATA_KEY = "ckptbridge"
-FORMAT_VERSION = 1
 
 
 class LazyArray:
@@ -341,8 +341,14 @@ class OrbaxCheckpoint:
 
     @property
     def ckptbridge_metadata(self) -> dict:
+        """The ckptbridge record as stored (a JSON object; {} when absent)."""
         m = self.custom_metadata.get(METADATA_KEY)
         return m if isinstance(m, dict) else {}
+
+    @property
+    def metadata(self) -> Metadata:
+        """The ckptbridge record, typed."""
+        return Metadata.from_json(self.custom_metadata.get(METADATA_KEY))
 
     def start_read(self, paths: Iterable[Path]) -> Callable[[], dict[Path, np.ndarray]]:
         """Begin reading the given leaves; call the result for them (numpy, stored dtype). With
@@ -375,8 +381,3 @@ class OrbaxCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def metadata_json(obj: Any) -> Any:
-    """Round-trip through JSON so what we store is exactly what will be read back."""
-    return json.loads(json.dumps(obj))

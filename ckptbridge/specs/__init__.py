@@ -1,14 +1,37 @@
-"""Model-family specs: each family is one table of tensor rules (data, not code paths)."""
+"""Model families: one spec module per family, registered here.
 
-from ckptbridge.specs.base import FamilySpec, TensorRule
+Adding a family is one module that builds a :class:`FamilySpec` plus one line below
+(``docs/adding_a_family.md``). Everything else finds the family through :func:`family_for`.
+"""
+
+from __future__ import annotations
+
+from ckptbridge.config import ModelConfig
+from ckptbridge.errors import UnsupportedError
+from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+from ckptbridge.specs.gemma3 import GEMMA3
 from ckptbridge.specs.gemma4 import GEMMA4
+from ckptbridge.specs.qwen3 import QWEN3
 
-FAMILIES: dict[str, FamilySpec] = {GEMMA4.name: GEMMA4}
+FAMILIES: dict[str, FamilySpec] = {}
+DEFAULT_FAMILY = GEMMA4.name  # the family the main job and the examples use unless told otherwise
+
+
+def register(spec: FamilySpec) -> FamilySpec:
+    """Add a family; its model types must not belong to another one."""
+    for other in FAMILIES.values():
+        clash = set(other.model_types) & set(spec.model_types)
+        if other.name != spec.name and clash:
+            raise ValueError(f"family {spec.name}: model types {sorted(clash)} already belong to {other.name}")
+    FAMILIES[spec.name] = spec
+    return spec
+
+
+for _spec in (GEMMA4, GEMMA3, QWEN3):
+    register(_spec)
 
 
 def get_family(name: str) -> FamilySpec:
-    from ckptbridge.errors import UnsupportedError
-
     try:
         return FAMILIES[name]
     except KeyError:
@@ -17,4 +40,27 @@ def get_family(name: str) -> FamilySpec:
         ) from None
 
 
-__all__ = ["FAMILIES", "FamilySpec", "TensorRule", "get_family", "GEMMA4"]
+def family_for(hf_config: dict, where: str = "config.json") -> FamilySpec:
+    """The family whose model types include the HF config's model_type."""
+    model_type = hf_config.get("model_type")
+    for spec in FAMILIES.values():
+        if model_type in spec.model_types:
+            return spec
+    supported = sorted(t for s in FAMILIES.values() for t in s.model_types)
+    raise UnsupportedError(
+        f"{where}: model_type {model_type!r} is not supported; supported model types: {', '.join(supported)}"
+    )
+
+
+def family_of(hf_config: dict, where: str = "config.json") -> str:
+    """The family name for an HF config's model_type."""
+    return family_for(hf_config, where).name
+
+
+def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
+    """Parse an HF config with its family's parser."""
+    return family_for(hf_config, where).parse_config(hf_config, where)
+
+
+__all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "TensorRule", "TunixModel", "family_for", "family_of", "get_family",
+           "parse_config", "register", "GEMMA3", "GEMMA4", "QWEN3"]

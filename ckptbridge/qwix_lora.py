@@ -1,0 +1,118 @@
+"""Everything ckptbridge knows about qwix: how it names LoRA factors and how it is applied.
+
+qwix wraps every ``jnp.einsum`` / ``dot_general`` whose right-hand side is a parameter of the
+current module, when the module's ``/``-joined path full-matches a rule's ``module_path``; a
+parameter ``w`` then gets the factors ``w_lora_a`` (input-side axes + rank) and ``w_lora_b`` (rank
++ output-side axes), held in ``nnx.LoRAParam``. The functions that touch qwix's attributes
+(dropout streams, the shardings it copies onto factors) live here, each with a test that fails
+when qwix changes them. qwix itself is imported only by the functions that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+
+
+def lora_leaves(param_path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The qwix factor paths (A, B) of the parameter at ``param_path`` (``.../attn/q_proj/w``)."""
+    *parent, param = param_path
+    return (*parent, param + LORA_A), (*parent, param + LORA_B)
+
+
+def is_lora_leaf(path: tuple[str, ...]) -> bool:
+    """Whether a checkpoint leaf path is a qwix LoRA factor (``.../w_lora_a`` or ``.../w_lora_a/value``)."""
+    names = path[-2:] if path and path[-1] == "value" else path[-1:]
+    return bool(names) and names[0].endswith((LORA_A, LORA_B))
+
+
+def is_lora_a(path: tuple[str, ...]) -> bool:
+    names = path[-2:] if path and path[-1] == "value" else path[-1:]
+    return bool(names) and names[0].endswith(LORA_A)
+
+
+def apply_lora(model, rules: list[dict], inputs: tuple, *, seed: int = 0):
+    """Wrap ``model`` with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]),
+    tracing one forward on ``inputs``. A rule with dropout > 0 drops LoRA inputs on every call
+    (training only); its random stream is the model's ``qwix_rngs`` attribute (:func:`dropout_stream`)."""
+    import qwix
+    from flax import nnx
+
+    provider = qwix.LoraProvider([qwix.LoraRule(module_path=r["module_path"], rank=int(r["rank"]),
+                                                alpha=float(r["alpha"]), dropout=float(r.get("dropout", 0.0)))
+                                  for r in rules])
+    originals = _set_remat_off(model)
+    try:
+        lora_model = qwix.apply_lora_to_model(model, provider, *inputs, rngs=nnx.Rngs(seed))
+    finally:
+        _restore_configs(model, originals)
+    _restore_configs(lora_model, originals)
+    return lora_model
+
+
+def _set_remat_off(model) -> dict:
+    """Tunix runs rematerialised blocks under ``nnx.remat(..., graph_updates=False)``, which drops
+    parameters created inside them, so qwix's first (parameter-creating) call must run without
+    remat: each module's ``config`` becomes a copy with its ``remat_config`` enum at NONE. Returns
+    the original configs by module path, for :func:`_restore_configs`."""
+    originals = {}
+    for path, module in model.iter_modules():
+        config = getattr(module, "config", None)
+        remat = getattr(config, "remat_config", None)
+        if dataclasses.is_dataclass(config) and remat is not None and getattr(remat, "name", "NONE") != "NONE":
+            originals[path] = config
+            module.config = dataclasses.replace(config, remat_config=type(remat).NONE)
+    return originals
+
+
+def _restore_configs(model, originals: dict) -> None:
+    for path, module in model.iter_modules():
+        if path in originals:
+            module.config = originals[path]
+
+
+def dropout_stream(model, seed: int):
+    """qwix draws LoRA dropout masks from the ``qwix_rngs`` attribute of the module it runs in:
+    give every module one shared stream. Returns it, for :func:`reseed`."""
+    from flax import nnx
+
+    rngs = nnx.Rngs(dropout=seed)
+    model.set_attributes(qwix_rngs=rngs)
+    return rngs
+
+
+def reseed(rngs, seed: int, index: int) -> None:
+    """Set a dropout stream to depend on (seed, index) only, so a resumed run draws the same masks."""
+    import jax
+
+    rngs.dropout.key[...] = jax.random.fold_in(jax.random.key(seed), index)
+    rngs.dropout.count[...] = 0
+
+
+def fix_lora_shardings(model, mesh) -> tuple[int, int]:
+    """Give every LoRA factor a sharding that fits it: qwix copies the base weight's annotation
+    onto A and B, whose ranks and sizes differ; an annotation of the wrong length, or one that
+    does not divide a dimension, becomes replicated. Places the factors on the mesh. Returns
+    (annotations replaced, factors)."""
+    import jax
+    from flax import nnx
+
+    state = nnx.state(model, nnx.LoRAParam)
+    replaced = 0
+    flat = nnx.to_flat_state(state)
+    for _, var in flat:
+        spec = var.get_metadata().get("out_sharding")
+        shape = var.get_value().shape
+        ok = spec is not None and len(spec) == len(shape) and all(
+            axis is None or size % int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))])) == 0
+            for axis, size in zip(spec, shape)
+        )
+        if not ok:
+            var.set_metadata(out_sharding=(None,) * len(shape))
+            replaced += 1
+    shardings = nnx.get_named_sharding(state, mesh)
+    nnx.update(model, jax.device_put(state, shardings))
+    return replaced, len(flat)

