@@ -310,10 +310,19 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
         raise MismatchError(f"{path}: LoRA of family {meta.family!r}, but the base {base.path} is {base.spec.name!r}")
     suffix = ckpt.value_suffix
     by_leaf = base.by_leaf()
+    weights = {e.tunix_path for e in mapping.entries(base.cfg, base.spec, base.prefix)}
     present: dict[LoraModule, list] = {}
     for p in sorted(leaves):
         key = p[: len(p) - len(suffix)]
         if key not in by_leaf:
+            param = key[:-1] + (key[-1].rsplit("_lora_", 1)[0],) if is_lora_leaf(key) else None
+            if param in weights:
+                raise UnsupportedError(
+                    f"{path}: leaf {'/'.join(p)} is a LoRA on {'/'.join(param)}, which ckptbridge does not carry "
+                    f"(the {base.spec.name} LoRA targets are {', '.join(base.spec.lora_targets)}; vLLM serves no "
+                    "LoRA there): train without it, e.g. with module_path "
+                    f"'.*({'|'.join(base.spec.lora_targets)})'"
+                )
             raise MismatchError(
                 f"{path}: leaf {'/'.join(p)} is not a LoRA factor of any {base.spec.name} module of the base "
                 f"{base.path}; the adapter belongs to another model"

