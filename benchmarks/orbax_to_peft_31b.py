@@ -91,9 +91,10 @@ def main() -> None:
 
     import numpy as np
 
-    from ckptbridge import lora
     from ckptbridge.io import orbax as orbax_io
     from ckptbridge.io.safetensors import DTYPES
+    from ckptbridge.metadata import KEY, LoraRules, Metadata
+    from ckptbridge.sources import open_base
     from ckptbridge.specs.gemma4 import text_config_kwargs
 
     tmp = args.keep or tempfile.mkdtemp(prefix="o2p-31b-")
@@ -103,8 +104,6 @@ def main() -> None:
     with open(os.path.join(base, "config.json"), "w") as f:
         json.dump({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "dtype": "bfloat16",
                    **text_config_kwargs(True, **GEMMA4_31B)}, f, indent=2)
-    from ckptbridge.sources import open_base
-
     b = open_base(base)
     bf16 = DTYPES["BF16"]
     flat = {}
@@ -119,8 +118,8 @@ def main() -> None:
               "rank": args.rank, "alpha": args.alpha}]
     root = os.path.join(tmp, "lora-ckpt")
     t = time.perf_counter()
-    item = orbax_io.save_manager_step(root, 100, orbax_io.nest(flat), {"ckptbridge": orbax_io.metadata_json({
-        "format_version": orbax_io.FORMAT_VERSION, "kind": "lora", "family": "gemma4", "lora": {"rules": rules}})})
+    meta = Metadata(kind="lora", family=b.spec.name, lora=LoraRules(rules))
+    item = orbax_io.save_manager_step(root, 100, orbax_io.nest(flat), {KEY: meta.to_json()})
     gen_s = time.perf_counter() - t
     params = sum(v.size for v in flat.values())
     size = dir_bytes(root)

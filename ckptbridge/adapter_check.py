@@ -5,8 +5,8 @@ Three checks, cheapest first:
 * **lint** (files only, no model): every LoRA tensor belongs to a LoRA-able module of BASE and
   fits its shape; ``target_modules`` selects those modules (PEFT applies nothing it does not
   select); factors are finite and not all zero; a vLLM-bound adapter carries the copies vLLM
-  needs under the family's module aliases (a ``v_proj`` computed from ``k_proj``); rank against vLLM's ``--max-lora-rank``; features vLLM or
-  Tunix cannot take (DoRA, ``modules_to_save``, biases); ``base_model_name_or_path`` against
+  needs under the family's module aliases (a ``v_proj`` computed from ``k_proj``); rank against
+  vLLM's ``--max-lora-rank``; features vLLM or Tunix cannot take (DoRA, ``modules_to_save``, biases); ``base_model_name_or_path`` against
   BASE's config. One :class:`Finding` per problem, each one line with its fix.
 * **live** (transformers + PEFT): the adapter moves BASE's logits (relative L2 of the change).
 * **exact**: transformers + PEFT logits against Tunix + qwix logits of the same adapter, converted
@@ -439,8 +439,9 @@ def _lint_peft_modules(lint: Lint, b: Base, cfg: dict, f, modules: dict, source:
     aliased = [n for n in good if n in known and known[n][0].vllm_aliases]
     missing = [n for n in aliased if not any(a in good for a in known[n][0].vllm_aliases)]
     if lint.target == "vllm" and missing:
-        lint.add("error", ALIAS, f"{weights}: LoRA on {len(missing)} module(s) without the copies vLLM needs under "
-                                 f"their aliases (e.g. {missing[0]} -> {known[missing[0]][0].vllm_aliases[0]}: vLLM "
+        alias = known[missing[0]][0].vllm_aliases[0]
+        lint.add("error", ALIAS, f"{weights}: LoRA on {len(missing)} module(s) without the "
+                                 f"{alias.rsplit('.', 1)[-1]} copies vLLM needs (e.g. {missing[0]} -> {alias}: vLLM "
                                  "would apply it to one output only, transformers to both; made for "
                                  f"transformers/PEFT); {_reexport(src, b.path, source)}")
     elif lint.target == "hf" and copies and not unequal:

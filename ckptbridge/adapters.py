@@ -188,7 +188,8 @@ class _ModulePlan:
     """How one Tunix module is made from PEFT factors (decided from configs and A's alone)."""
 
     names: list[str]  # HF modules of the adapter that feed this module
-    mode: str  # "single" | "partial" (one of a fused module's HF modules) | "shared" (same A and scale) | "exact" | "svd"
+    # "single" | "partial" (one of a fused module's HF modules) | "shared" (same A and scale) | "exact" | "svd"
+    mode: str
     scaling: Scaling  # the qwix rank and alpha of the result
     dtype: np.dtype
 
@@ -213,7 +214,8 @@ def _plan_module(ad: lora.PeftLora, mod: LoraModule, kv: str) -> _ModulePlan:
     return _ModulePlan(names, kv, Scaling(rank, scale * rank), dtype)
 
 
-def _module_factors(ad: lora.PeftLora, mod: LoraModule, plan: _ModulePlan) -> tuple[np.ndarray, np.ndarray, float | None]:
+def _module_factors(ad: lora.PeftLora, mod: LoraModule,
+                    plan: _ModulePlan) -> tuple[np.ndarray, np.ndarray, float | None]:
     """qwix (A, B) of one module following its plan, and (svd) the relative error of the delta."""
     pairs = {n: ad.pair(n) for n in plan.names}
     if plan.mode == "single":
@@ -221,7 +223,8 @@ def _module_factors(ad: lora.PeftLora, mod: LoraModule, plan: _ModulePlan) -> tu
     rows = {n: mod.shapes(1)["b_peft"][0] for n in mod.hf_modules}  # output size of each HF module
     if plan.mode in ("partial", "shared"):  # one A; HF modules without LoRA get B = 0
         a = pairs[plan.names[0]][0]
-        full = [(a, pairs[n][1]) if n in pairs else (a, np.zeros((rows[n], a.shape[0]), a.dtype)) for n in mod.hf_modules]
+        full = [(a, pairs[n][1]) if n in pairs else (a, np.zeros((rows[n], a.shape[0]), a.dtype))
+                for n in mod.hf_modules]
         return (*lora.peft_to_tunix(mod, full), None)
     scales = {n: ad.scaling[n].scale for n in plan.names}
     fold = len(set(scales.values())) > 1

@@ -92,6 +92,11 @@ def reseed(rngs, seed: int, index: int) -> None:
     rngs.dropout.count[...] = 0
 
 
+def _parts(mesh, axis) -> int:
+    """How many parts a dimension annotated with mesh axis (or axes) ``axis`` is split into."""
+    return int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+
+
 def fix_lora_shardings(model, mesh) -> tuple[int, int]:
     """Give every LoRA factor a sharding that fits it: qwix copies the base weight's annotation
     onto A and B, whose ranks and sizes differ; an annotation of the wrong length, or one that
@@ -107,9 +112,7 @@ def fix_lora_shardings(model, mesh) -> tuple[int, int]:
         spec = var.get_metadata().get("out_sharding")
         shape = var.get_value().shape
         ok = spec is not None and len(spec) == len(shape) and all(
-            axis is None or size % int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))])) == 0
-            for axis, size in zip(spec, shape)
-        )
+            axis is None or size % _parts(mesh, axis) == 0 for axis, size in zip(spec, shape))
         if not ok:
             var.set_metadata(out_sharding=(None,) * len(shape))
             replaced += 1

@@ -225,7 +225,8 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
     meta: Metadata = ckpt.metadata
     path = ckpt.path
     if meta.kind == "lora" or any(is_lora_leaf(p) for p in ckpt.leaves):
-        raise UnsupportedError(f"{path}: is a LoRA checkpoint, not full weights; use `ckptbridge convert orbax-to-peft`")
+        raise UnsupportedError(f"{path}: is a LoRA checkpoint, not full weights; use "
+                               "`ckptbridge convert orbax-to-peft`")
     config_dir = None
     if config is not None:
         hf_config, where, config_dir = _config_from_option(config)

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from ckptbridge.adapter_check import lint_adapter
 from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
 from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 from ckptbridge.errors import MismatchError, UnsupportedError
@@ -185,6 +186,8 @@ def test_orbax_to_peft_gives_tunix_logits(adapters, tmp_path, case, target):
     assert cfg["target_modules"].startswith(b.module_prefix.replace(".", "\\."))
     got = peft_logits(a["base"], dst, TOKENS)
     assert rel_l2(got, a["tunix_logits"]) <= 1e-5
+    lint = lint_adapter(dst, a["base"], target=target)  # `ckptbridge verify adapter --lint-only`
+    assert lint.errors == [] and lint.modules == r["modules"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
