@@ -81,8 +81,8 @@ def test_unsupported_variants_are_named(override, needle):
 
 
 def test_unknown_model_type():
-    with pytest.raises(UnsupportedError, match="model_type 'llama'.*gemma4"):
-        parse_config({"model_type": "llama"})
+    with pytest.raises(UnsupportedError, match="model_type 'mixtral'.*gemma4"):
+        parse_config({"model_type": "mixtral"})
 
 
 def test_bad_values():

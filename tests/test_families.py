@@ -29,6 +29,8 @@ CASES = {
     "gemma3_mm": dict(family="gemma3", model_type="gemma3"),  # vision tower, language_model.model. on disk
     "qwen3_untied": dict(family="qwen3"),
     "qwen3_tied": dict(family="qwen3", tie_word_embeddings=True),
+    "qwen2_untied": dict(family="qwen2"),  # q/k/v biases
+    "llama3_tied": dict(family="llama3", tie_word_embeddings=True),
 }
 MULTIMODAL = {"gemma3_mm"}
 TOKENS = np.random.default_rng(7).integers(3, 300, size=(2, 11))  # longer than 2 x the sliding window (4)
@@ -94,7 +96,8 @@ def _tunix_loader(spec, src, tcfg):
     """The model Tunix's own safetensors loader builds from ``src``."""
     import importlib
 
-    module = {"qwen3": "tunix.models.qwen3.params", "gemma3": "tunix.models.gemma3.params_safetensors"}[spec.name]
+    module = {"qwen3": "tunix.models.qwen3.params", "gemma3": "tunix.models.gemma3.params_safetensors",
+              "qwen2": "tunix.models.qwen2.params", "llama3": "tunix.models.llama3.params"}[spec.name]
     return importlib.import_module(module).create_model_from_safe_tensors(src, tcfg)
 
 

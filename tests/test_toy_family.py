@@ -1,6 +1,7 @@
-"""Adding a family is one spec module: a Llama spec written here (and registered only for these
-tests) converts a tiny transformers Llama bit for bit, builds Tunix's Llama 3 model with
-transformers' logits, and moves LoRA both ways, with no change anywhere else."""
+"""Adding a family is one spec module: a Mistral spec written here (Llama's architecture; registered
+only for these tests, on Tunix's Llama 3 model) converts a tiny transformers Mistral bit for bit,
+builds the Tunix model with transformers' logits, and moves LoRA both ways, with no change
+anywhere else."""
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def parse(hf: dict, where: str = "config.json") -> ModelConfig:
     h = hf.get("head_dim") or d // n
     sizes = {"v": v, "d": d, "n": n, "h": h, "k": k, "f": f, "one": 1}
     tie = bool(hf.get("tie_word_embeddings", False))
-    return ModelConfig("toyllama", "llama", v, d, f, n, tuple(LayerConfig(i, FULL, h, k, "full") for i in range(L)),
+    return ModelConfig("toymistral", "mistral", v, d, f, n, tuple(LayerConfig(i, FULL, h, k, "full") for i in range(L)),
                        float(hf.get("rms_norm_eps", 1e-6)), tie, None, "model.", (), sizes, {"untied": not tie},
                        {}, hf)
 
@@ -45,29 +46,29 @@ def tunix_config(cfg: ModelConfig, *, dtype=None, param_dtype=None, remat=None, 
                           weight_tying=cfg.tie_word_embeddings)
 
 
-def tiny(model_type: str = "llama", **overrides) -> dict:
-    return {"model_type": "llama", "vocab_size": 300, "hidden_size": 40, "intermediate_size": 56, "num_hidden_layers": 3,
+def tiny(model_type: str = "mistral", **overrides) -> dict:
+    return {"model_type": "mistral", "sliding_window": None, "vocab_size": 300, "hidden_size": 40, "intermediate_size": 56, "num_hidden_layers": 3,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "rope_theta": 1e6,
             "tie_word_embeddings": False, "rms_norm_eps": 1e-6, **overrides}
 
 
-TOY = FamilySpec(name="toyllama", model_types=("llama",), hf_classes={"llama": "LlamaForCausalLM"}, rules=RULES,
-                 key_prefixes=("model.",), default_prefixes={"llama": "model."}, parse_config=parse,
+TOY = FamilySpec(name="toymistral", model_types=("mistral",), hf_classes={"mistral": "MistralForCausalLM"},
+                 rules=RULES, key_prefixes=("model.",), default_prefixes={"mistral": "model."}, parse_config=parse,
                  axes=("v", "d", "n", "h", "k", "f"), model_flags=("untied",), tied_keys=("lm_head.weight",),
                  tunix=TunixModel("tunix.models.llama3.model", "Llama3", tunix_config), tiny_config=tiny)
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    if any("llama" in spec.model_types for spec in FAMILIES.values()):
-        pytest.skip("a llama family is registered already")
+    if any("mistral" in spec.model_types for spec in FAMILIES.values()):
+        pytest.skip("a mistral family is registered already")
     register(TOY)
     try:
         from ckptbridge.testing import build_checkpoint
 
-        yield build_checkpoint(str(tmp_path_factory.mktemp("toy") / "llama"), family="toyllama", tokenizer=False)
+        yield build_checkpoint(str(tmp_path_factory.mktemp("toy") / "llama"), family="toymistral", tokenizer=False)
     finally:
-        FAMILIES.pop("toyllama", None)
+        FAMILIES.pop("toymistral", None)
 
 
 def test_spec_is_checked_against_its_vocabulary():
@@ -91,7 +92,7 @@ def test_toy_family_end_to_end(toy, tmp_path):
 
     jax.config.update("jax_default_matmul_precision", "highest")
     r = convert_safetensors_to_orbax(toy, str(tmp_path / "orbax"), progress=False)
-    assert r["family"] == "toyllama" and r["tensors"] == 3 + 3 * 9
+    assert r["family"] == "toymistral" and r["tensors"] == 3 + 3 * 9
     convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
     assert compare_tensors(toy, str(tmp_path / "back"))["identical"]
     assert logits_parity(toy, str(tmp_path / "orbax"))["rel_l2"] <= 1e-5

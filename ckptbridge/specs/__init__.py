@@ -11,6 +11,8 @@ from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
 from ckptbridge.specs.gemma3 import GEMMA3
 from ckptbridge.specs.gemma4 import GEMMA4
+from ckptbridge.specs.llama3 import LLAMA3
+from ckptbridge.specs.qwen2 import QWEN2
 from ckptbridge.specs.qwen3 import QWEN3
 
 FAMILIES: dict[str, FamilySpec] = {}
@@ -27,7 +29,7 @@ def register(spec: FamilySpec) -> FamilySpec:
     return spec
 
 
-for _spec in (GEMMA4, GEMMA3, QWEN3):
+for _spec in (GEMMA4, GEMMA3, QWEN3, QWEN2, LLAMA3):
     register(_spec)
 
 
@@ -63,4 +65,4 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
 
 
 __all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "TensorRule", "TunixModel", "family_for", "family_of", "get_family",
-           "parse_config", "register", "GEMMA3", "GEMMA4", "QWEN3"]
+           "parse_config", "register", "GEMMA3", "GEMMA4", "LLAMA3", "QWEN2", "QWEN3"]

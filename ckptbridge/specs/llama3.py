@@ -1,0 +1,48 @@
+"""Llama 3 / 3.1 / 3.2 (``llama``, LlamaForCausalLM) on Tunix's ``llama3``: the D-first rows of
+:mod:`ckptbridge.specs.dfirst` without q/k norms or biases; tied head on 3.2 1B/3B.
+
+Tunix 0.1.7's ``llama3`` computes RoPE with theta 1e6 and without ``rope_type: llama3`` scaling,
+whatever the config says (real Llama 3.x: theta 5e5, llama3 scaling), so a Tunix model is built
+only for configs it computes like transformers; files convert exactly for any config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptbridge.specs import dfirst
+from ckptbridge.specs.base import FamilySpec, TunixModel
+
+DENSE = dfirst.Dense("llama3", "llama", {
+    "vocab_size": 32_000, "hidden_size": 4096, "intermediate_size": 11_008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}, refuse=(("attention_bias", "Tunix llama3 has no attention biases"),
+           ("mlp_bias", "Tunix llama3 has no MLP biases")))
+MODULE = "tunix.models.llama3.model"
+
+
+def tunix_config(cfg, **kw):
+    """``tunix.models.llama3.model.ModelConfig`` (it has no dtype settings: Tunix computes in float32)."""
+    return dfirst.tunix_config(cfg, MODULE, fixed_theta=1_000_000.0, tie_field="weight_tying", dtypes=False, **kw)
+
+
+TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=40, intermediate_size=56, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any) -> dict:
+    """HF config of a tiny random Llama (theta 1e6, the value Tunix computes with; untied head)."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **TINY_DIMS,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
+
+
+LLAMA3 = FamilySpec(
+    name="llama3", model_types=("llama",), hf_classes={"llama": "LlamaForCausalLM"},
+    rules=dfirst.rules(), key_prefixes=("model.",), default_prefixes={"llama": "model."},
+    parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
+    tunix=TunixModel(module=MODULE, model_class="Llama3", config=tunix_config),
+    tiny_config=tiny_config, vllm_tiny=VLLM_DIMS,
+)

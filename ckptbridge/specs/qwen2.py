@@ -1,0 +1,46 @@
+"""Qwen 2.5 and the DeepSeek-R1 Qwen distills (``qwen2``, Qwen2ForCausalLM) on Tunix's ``qwen2``:
+the D-first rows of :mod:`ckptbridge.specs.dfirst` plus q/k/v biases (flat ``(n h)`` in both
+worlds, never LoRA targets); tied head on 0.5B-3B. Tunix takes ``rope_theta`` from its config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptbridge.specs import dfirst
+from ckptbridge.specs.base import FamilySpec, TunixModel
+
+DENSE = dfirst.Dense("qwen2", "qwen2", {
+    "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "use_sliding_window": False,
+})
+MODULE = "tunix.models.qwen2.model"
+
+
+def tunix_config(cfg, **kw):
+    """``tunix.models.qwen2.model.ModelConfig`` equivalent to an HF Qwen 2.5 config."""
+    return dfirst.tunix_config(cfg, MODULE, fixed_theta=None, tie_field="use_tied_embedding", dtypes=True, **kw)
+
+
+# All distinct: V, D, N, K, H (= D / N, Qwen 2 has no head_dim field), F.
+TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=48, intermediate_size=56, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2)
+VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                 num_attention_heads=2, num_key_value_heads=1)
+
+
+def tiny_config(model_type: str = "qwen2", **overrides: Any) -> dict:
+    """HF config of a tiny random Qwen 2.5 (theta 1e4 to show Tunix takes it; untied head)."""
+    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **TINY_DIMS,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
+
+
+QWEN2 = FamilySpec(
+    name="qwen2", model_types=("qwen2",), hf_classes={"qwen2": "Qwen2ForCausalLM"},
+    rules=dfirst.rules(qkv_bias=True), key_prefixes=("model.",), default_prefixes={"qwen2": "model."},
+    parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
+    tunix=TunixModel(module=MODULE, model_class="Qwen2", config=tunix_config),
+    tiny_config=tiny_config, vllm_tiny=VLLM_DIMS,
+)
