@@ -146,7 +146,7 @@ def cmd_inspect(args) -> int:
 def cmd_verify_logits(args) -> int:
     from ckptbridge.verify import logits_parity
 
-    r = logits_parity(args.hf_dir, args.tunix, seq_len=args.seq_len)
+    r = logits_parity(args.hf_dir, args.tunix, seq_len=args.seq_len, allow_config_mismatch=args.allow_config_mismatch)
     ok = r["rel_l2"] <= args.tolerance and r["argmax_agreement"] == 1.0
     r["ok"] = ok
     _emit(args, r, (
@@ -353,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--tunix", metavar="SRC", help="HF directory or Orbax checkpoint to load into Tunix")
     vl.add_argument("--seq-len", type=int, help="tokens per sequence (default 2 x window + 3)")
     vl.add_argument("--tolerance", type=float, default=1e-5, help="largest relative L2 accepted (default 1e-5)")
+    vl.add_argument("--allow-config-mismatch", action="store_true",
+                    help="build the Tunix model even where it computes something else than the HF config says "
+                    "(e.g. a RoPE theta Tunix ignores) and measure the gap")
     vl.add_argument("--json", action="store_true")
     vl.set_defaults(func=cmd_verify_logits)
     vt = vsub.add_parser("tensors", help="bitwise comparison of two HF model directories", epilog=EPILOG)

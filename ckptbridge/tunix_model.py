@@ -34,10 +34,11 @@ def tunix_model_class(spec: FamilySpec):
 
 
 def tunix_model_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None,
-                       remat: str | None = None, sharding: Any = None):
-    """The Tunix ``ModelConfig`` of the family of ``cfg``, equivalent to the HF config."""
+                       remat: str | None = None, sharding: Any = None, allow_config_mismatch: bool = False):
+    """The Tunix ``ModelConfig`` of the family of ``cfg``, equivalent to the HF config (or, with
+    ``allow_config_mismatch``, the closest Tunix computes, the difference logged)."""
     return tunix_spec(get_family(cfg.family)).config(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                                     sharding=sharding)
+                                                     sharding=sharding, allow_mismatch=allow_config_mismatch)
 
 
 def family_of_model(model) -> FamilySpec:
@@ -97,7 +98,8 @@ def _assign(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any = None,
-                     step: int | None = None, skip_multimodal: bool = False, remat: str | None = None):
+                     step: int | None = None, skip_multimodal: bool = False, remat: str | None = None,
+                     allow_config_mismatch: bool = False):
     """The family's Tunix model with the weights of ``src`` (HF directory or ckptbridge Orbax checkpoint).
 
     Parameters keep the source dtype unless ``param_dtype`` is given; ``dtype`` is the compute
@@ -112,7 +114,8 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
     with open_model_source(src, step=step, skip_multimodal=skip_multimodal) as source:
         first = source.entries[0]
         pdtype = np.dtype(param_dtype) if param_dtype is not None else source.dtype(first)
-        tcfg = tunix_model_config(source.cfg, dtype=dtype, param_dtype=pdtype, remat=remat)
+        tcfg = tunix_model_config(source.cfg, dtype=dtype, param_dtype=pdtype, remat=remat,
+                                  allow_config_mismatch=allow_config_mismatch)
         cls = tunix_model_class(source.spec)
         abstract = nnx.eval_shape(lambda: cls(tcfg, rngs=nnx.Rngs(params=0)))
         graphdef, abs_state = nnx.split(abstract)

@@ -114,7 +114,7 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | None = None,
-                  batch: int = 2, seed: int = 0) -> dict:
+                  batch: int = 2, seed: int = 0, allow_config_mismatch: bool = False) -> dict:
     """Run transformers on ``hf_dir`` and Tunix on ``tunix_src`` (an HF directory or an Orbax
     checkpoint; default ``hf_dir``) on the same random tokens; report relative L2 and argmax."""
     import jax
@@ -124,7 +124,8 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
     jax.config.update("jax_default_matmul_precision", "highest")
     config_path = os.path.join(hf_dir, "config.json")
     cfg = parse_config(read_config_file(config_path), config_path)
-    model, _ = load_tunix_model(tunix_src or hf_dir, param_dtype=np.float32, dtype=np.float32, skip_multimodal=True)
+    model, _ = load_tunix_model(tunix_src or hf_dir, param_dtype=np.float32, dtype=np.float32, skip_multimodal=True,
+                                allow_config_mismatch=allow_config_mismatch)
     if seq_len is None:
         seq_len = 2 * (cfg.sliding_window or 8) + 3
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, seq_len))

@@ -367,3 +367,22 @@ def test_gemma3_newer_writers_prefix(models, tmp_path):
     with open_hf_source(src, skip_multimodal=True) as a, open_hf_source(models["gemma3_mm"], skip_multimodal=True) as b:
         assert [e.tunix_path for e in a.entries] == [e.tunix_path for e in b.entries]
         assert all(np.array_equal(a.tunix_value(e), b.tunix_value(f)) for e, f in zip(a.entries, b.entries))
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama3", {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),  # Llama 3.1 8B
+    ("qwen3", {"rope_type": "default", "rope_theta": 5_000_000.0}),  # Qwen3-4B-2507
+])
+def test_config_tunix_cannot_compute(tmp_path, family, rope):
+    """Files convert bit-exact; building the Tunix model refuses unless allowed, then the gap shows."""
+    src = build_checkpoint(str(tmp_path / "hf"), family=family, rope_parameters=rope, tokenizer=False)
+    r = convert_safetensors_to_orbax(src, str(tmp_path / "orbax"), progress=False)
+    convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
+    assert compare_tensors(src, str(tmp_path / "back"))["identical"] and r["tensors"] > 0
+    with pytest.raises(UnsupportedError, match=r"rope_theta .*--allow-config-mismatch"):
+        logits_parity(src)
+    gap = logits_parity(src, allow_config_mismatch=True)
+    assert gap["rel_l2"] > 1e-4  # measured, not hidden
+    cli = run_cli("verify", "logits", src, "--allow-config-mismatch", "--json")
+    assert cli.returncode == 6 and json.loads(cli.stdout)["rel_l2"] == pytest.approx(gap["rel_l2"], rel=1e-3)

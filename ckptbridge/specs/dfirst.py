@@ -12,12 +12,14 @@ top-level ``lm_head.weight``, Tunix's ``lm_head.w`` (``d v``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs.base import TensorRule
 
+log = logging.getLogger(__name__)
 R = TensorRule
 AXES = ("v", "d", "n", "h", "k", "f")
 
@@ -102,10 +104,12 @@ class Dense:
 
 
 def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, tie_field: str, dtypes: bool,
-                 dtype: Any = None, param_dtype: Any = None, remat: str | None = None, sharding: Any = None):
+                 dtype: Any = None, param_dtype: Any = None, remat: str | None = None, sharding: Any = None,
+                 allow_mismatch: bool = False):
     """The Tunix ``ModelConfig`` of a D-first family. ``fixed_theta``: the RoPE theta Tunix uses
     whatever the config says (None: it takes the config's); ``dtypes``: whether the config has
-    ``dtype`` / ``param_dtype`` fields."""
+    ``dtype`` / ``param_dtype`` fields. Where Tunix computes something else than the HF config
+    says, raise, or with ``allow_mismatch`` log it and build what Tunix can."""
     import importlib
 
     import jax.numpy as jnp
@@ -123,8 +127,11 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
     if cfg.extras["hidden_act"] != "silu":
         problems.append(f"hidden_act {cfg.extras['hidden_act']!r} (Tunix {name} uses silu)")
     if problems:
-        raise UnsupportedError(f"config.json: {'; '.join(problems)}: the Tunix model would compute another model "
-                               "than transformers (the files themselves convert exactly)")
+        what = (f"config.json: {'; '.join(problems)}: the Tunix model computes another model than transformers "
+                "(the files themselves convert exactly)")
+        if not allow_mismatch:
+            raise UnsupportedError(f"{what}; pass --allow-config-mismatch to build it anyway")
+        log.warning("%s; built anyway (--allow-config-mismatch)", what)
     kwargs = dict(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
                   hidden_dim=cfg.intermediate_size, num_heads=cfg.num_heads, head_dim=cfg.layers[0].head_dim,
                   num_kv_heads=cfg.layers[0].num_kv_heads, rope_theta=int(fixed_theta or theta),

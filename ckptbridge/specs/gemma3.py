@@ -155,7 +155,7 @@ def _rope_of(cfg: ModelConfig, layer_type: str, problems: list[str]) -> tuple[fl
 
 
 def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
-                 sharding: Any = None):
+                 sharding: Any = None, allow_mismatch: bool = False):
     """``tunix.models.gemma3.model.ModelConfig`` equivalent to an HF Gemma 3 text config (Tunix's
     Gemma 3 computes in its parameter dtype; ``dtype`` is not a setting of its own)."""
     import jax.numpy as jnp

@@ -227,7 +227,7 @@ def _rope(cfg: ModelConfig, layer_type: str, default_type: str) -> tuple[float, 
 
 
 def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
-                 sharding: Any = None):
+                 sharding: Any = None, allow_mismatch: bool = False):
     """``tunix.models.gemma4.model.ModelConfig`` equivalent to an HF Gemma 4 text config."""
     import jax.numpy as jnp
     from tunix.models.gemma4 import model as gm
