@@ -82,7 +82,7 @@ class Dense:
         num_layers = int_field(hf_config, "num_hidden_layers", where, self.defaults)
         num_heads = int_field(hf_config, "num_attention_heads", where, self.defaults)
         hidden = int_field(hf_config, "hidden_size", where, self.defaults)
-        head_dim = hf_config.get("head_dim") or hidden // num_heads
+        head_dim = hf_config.get("head_dim", self.defaults.get("head_dim")) or hidden // num_heads  # as transformers
         kv_heads = int_field(hf_config, "num_key_value_heads", where, {"num_key_value_heads": num_heads})
         sliding = bool(get("use_sliding_window"))
         window = hf_config.get("sliding_window") if sliding else None
