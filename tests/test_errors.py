@@ -83,10 +83,10 @@ def test_unknown_model_type(checkpoints, tmp_path):
     src = copy_of(checkpoints, tmp_path)
     cfg_path = os.path.join(src, "config.json")
     cfg = json.load(open(cfg_path))
-    cfg["model_type"] = "llama"
+    cfg["model_type"] = "mixtral"
     json.dump(cfg, open(cfg_path, "w"))
     before, dst = tree_hash(src), str(tmp_path / "dst")
-    check_failure(s2o(src, dst), 5, "config.json", "'llama'", "gemma4", src=src, before=before, dst=dst)
+    check_failure(s2o(src, dst), 5, "config.json", "'mixtral'", "gemma4", src=src, before=before, dst=dst)
 
 
 @pytest.mark.parametrize("keep", [4, 100, -1000])

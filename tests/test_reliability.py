@@ -284,7 +284,7 @@ def _config_edit(w, tmp, edit):
 
 
 def c_unknown_model_type(w, tmp):
-    return _config_edit(w, tmp, lambda c: json.dumps({**c, "model_type": "llama"}))
+    return _config_edit(w, tmp, lambda c: json.dumps({**c, "model_type": "mixtral"}))
 
 
 def c_config_not_json(w, tmp):
@@ -506,7 +506,7 @@ CASES = [
     ("missing tensor", c_missing_tensor, 6, "layers.1.mlp.up_proj"),
     ("unexpected tensor", c_unexpected_tensor, 6, "extra_proj"),
     ("wrong shape", c_wrong_shape, 6, "down_proj"),
-    ("unknown model_type", c_unknown_model_type, 5, "llama"),
+    ("unknown model_type", c_unknown_model_type, 5, "mixtral"),
     ("config.json not JSON", c_config_not_json, 4, "config.json"),
     ("empty directory", c_empty_dir, 3, "empty"),
     ("missing source", c_missing_src, 3, "nope"),
