@@ -25,6 +25,7 @@ from ckptbridge.lora import LoraModule, Scaling
 from ckptbridge.metadata import KEY, LoraRules, Metadata
 from ckptbridge.progress import Progress
 from ckptbridge.sources import Base, open_base
+from ckptbridge.tunix_model import note_mismatch
 
 log = logging.getLogger(__name__)
 TARGETS = ("hf", "vllm")
@@ -91,6 +92,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
+    mismatch = note_mismatch(b.cfg)
     warnings: list[str] = []
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
         # every HF module that gets factors: (name, module, index into the module's pairs, scaling)
@@ -171,6 +173,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
             "family": b.spec.name,
             "key_prefix": b.prefix,
             "target": target,
+            "config_mismatch": mismatch,
             "modules": len(plan),
             "tensors": len(tensors),
             "bytes": total,
@@ -269,6 +272,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         raise ConfigError(f"--step {step}: must be >= 0")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
+    mismatch = note_mismatch(b.cfg)
     with lora.open_peft_lora(src, b) as ad:
         plans = {m: _plan_module(ad, m, kv) for m in b.modules if any(n in ad.keys for n in m.hf_modules)}
         cache: dict = {}
@@ -305,6 +309,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
             "destination": dst,
             "step": step,
             "family": b.spec.name,
+            "config_mismatch": mismatch,
             "modules": len(plans),
             "modes": dict(Counter(p.mode for p in plans.values())),
             "rules": rules,

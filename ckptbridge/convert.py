@@ -22,6 +22,7 @@ from ckptbridge.io.safetensors import PlannedTensor, parse_size
 from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.progress import Progress
 from ckptbridge.sources import ASSETS_DIR, HFSource, open_hf_source, open_orbax_source
+from ckptbridge.tunix_model import note_mismatch
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -44,6 +45,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     t0 = time.perf_counter()
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
+        mismatch = note_mismatch(source.cfg)
         flat = {
             e.tunix_path: orbax_io.LazyArray(e.tunix_shape, source.dtype(e), produce=lambda e=e: source.tunix_value(e))
             for e in source.entries
@@ -68,6 +70,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             "tensors": len(flat),
             "bytes": total,
             "towers_dropped": len(source.tower_keys),
+            "config_mismatch": mismatch,
             "seconds": round(time.perf_counter() - t0, 3),
         }
 
@@ -85,6 +88,7 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
         raise ConfigError(f"--max-shard-size: {e}") from None
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source:
+        mismatch = note_mismatch(source.cfg)
         cache: dict = {}
 
         def produce(entry: mapping.Entry, i: int) -> np.ndarray:
@@ -114,5 +118,6 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             "tensors": len(planned),
             "bytes": sum(t.nbytes for t in planned),
             "files": files,
+            "config_mismatch": mismatch,
             "seconds": round(time.perf_counter() - t0, 3),
         }

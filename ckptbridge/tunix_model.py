@@ -10,6 +10,7 @@ of Tunix's parameters.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Any
 
@@ -20,6 +21,8 @@ from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs import FAMILIES, FamilySpec, get_family
 from ckptbridge.specs.base import TunixModel
+
+log = logging.getLogger(__name__)
 
 
 def tunix_spec(spec: FamilySpec) -> TunixModel:
@@ -33,12 +36,53 @@ def tunix_model_class(spec: FamilySpec):
     return getattr(importlib.import_module(t.module), t.model_class)
 
 
+def config_mismatches(cfg: ModelConfig) -> list[str]:
+    """What the HF config asks for that the family's Tunix model does not compute (empty when
+    Tunix computes what transformers computes, or when the family builds no Tunix model)."""
+    spec = get_family(cfg.family)
+    if spec.tunix is None or spec.tunix.mismatches is None:
+        return []
+    return list(spec.tunix.mismatches(cfg))
+
+
+def mismatch_line(cfg: ModelConfig) -> str | None:
+    """One line saying what the Tunix model computes differently from transformers, or None."""
+    problems = config_mismatches(cfg)
+    if not problems:
+        return None
+    return (f"config.json: {'; '.join(problems)}: the Tunix {cfg.family} model computes another model than "
+            "transformers (the files themselves convert exactly)")
+
+
+def note_mismatch(cfg: ModelConfig) -> str | None:
+    """For conversions, which go on (every tensor converts exactly): log the mismatch line, if
+    any, and return it for the report."""
+    line = mismatch_line(cfg)
+    if line is not None:
+        log.warning("%s", line)
+    return line
+
+
+def check_config(cfg: ModelConfig, allow_config_mismatch: bool, *, warn: bool = True) -> None:
+    """Before building a Tunix model: raise UnsupportedError if it would compute another model than
+    transformers, unless ``allow_config_mismatch`` (then log it, if ``warn``)."""
+    line = mismatch_line(cfg)
+    if line is None:
+        return
+    if not allow_config_mismatch:
+        raise UnsupportedError(f"{line}; pass --allow-config-mismatch to build it anyway")
+    if warn:
+        log.warning("%s; built anyway (--allow-config-mismatch)", line)
+
+
 def tunix_model_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None,
                        remat: str | None = None, sharding: Any = None, allow_config_mismatch: bool = False):
-    """The Tunix ``ModelConfig`` of the family of ``cfg``, equivalent to the HF config (or, with
-    ``allow_config_mismatch``, the closest Tunix computes, the difference logged)."""
+    """The Tunix ``ModelConfig`` of the family of ``cfg``, equivalent to the HF config. Where Tunix
+    computes something else (:func:`config_mismatches`), raise UnsupportedError, or with
+    ``allow_config_mismatch`` log the difference and build the closest Tunix model."""
+    check_config(cfg, allow_config_mismatch)
     return tunix_spec(get_family(cfg.family)).config(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                                     sharding=sharding, allow_mismatch=allow_config_mismatch)
+                                                     sharding=sharding)
 
 
 def family_of_model(model) -> FamilySpec:

@@ -86,7 +86,7 @@ def hf_greedy(base_dir: str, adapter_dir: str | None, ids: list[int], n: int) ->
 
     hf_logging.disable_progress_bar()
     cls = hf_model_class(base_dir)
-    model = cls.from_pretrained(base_dir, dtype=torch.float32)
+    model = cls.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
     if adapter_dir:
         from peft import PeftModel
 

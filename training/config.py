@@ -63,6 +63,9 @@ class TrainConfig:
     dtype: str = "bfloat16"
     usd_per_hour: float = 16.80  # TPU v5p-8 on-demand rate used by the paper's cost figures
     xla_flags: str = "--xla_llvm_disable_expensive_passes=true"
+    # train even where Tunix's model of the base's family computes another model than transformers
+    # (a RoPE theta or scaling it ignores); the run then trains what Tunix computes
+    allow_config_mismatch: bool = False
 
     def lora_rules(self, family_targets: tuple[str, ...] = ()) -> list[dict]:
         """The qwix rules of this recipe on a base whose family has the LoRA targets ``family_targets``."""

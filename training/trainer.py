@@ -81,14 +81,15 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     import orbax.checkpoint as ocp
     from ckptbridge import qwix_lora
     from ckptbridge.sources import open_base
-    from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
+    from ckptbridge.tunix_model import apply_lora_rules, check_config, load_tunix_model
     from training.mesh import make_mesh
 
     t_start = time.perf_counter()
     run = Run(out)
-    os.makedirs(run.root, exist_ok=True)
     base_info = open_base(base)
+    check_config(base_info.cfg, cfg.allow_config_mismatch, warn=False)  # before anything is written
     lora_rules = cfg.lora_rules(base_info.spec.lora_targets)
+    os.makedirs(run.root, exist_ok=True)
     settings = {**cfg.to_dict(), "base": os.path.abspath(base), "data": os.path.abspath(data_path)}
     _check_same_run(run, settings)
     with open(run.config, "w") as f:
@@ -120,7 +121,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     if base_info.cfg.towers:
         log.info("base has %s towers: training the text model (Tunix builds it alone)", ", ".join(base_info.cfg.towers))
     model, _ = load_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
-                                remat=None if cfg.remat == "none" else cfg.remat, skip_multimodal=True)
+                                remat=None if cfg.remat == "none" else cfg.remat, skip_multimodal=True,
+                                allow_config_mismatch=cfg.allow_config_mismatch)
     rules = [dict(r, dropout=cfg.dropout) for r in lora_rules]
     model = apply_lora_rules(model, rules, seed=cfg.seed)
     replaced, total = qwix_lora.fix_lora_shardings(model, mesh)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+from ckptbridge.specs.gemma import GEMMA, GEMMA2
 from ckptbridge.specs.gemma3 import GEMMA3
 from ckptbridge.specs.gemma4 import GEMMA4
 from ckptbridge.specs.llama3 import LLAMA3
@@ -29,7 +30,7 @@ def register(spec: FamilySpec) -> FamilySpec:
     return spec
 
 
-for _spec in (GEMMA4, GEMMA3, QWEN3, QWEN2, LLAMA3):
+for _spec in (GEMMA4, GEMMA3, GEMMA2, GEMMA, QWEN3, QWEN2, LLAMA3):
     register(_spec)
 
 

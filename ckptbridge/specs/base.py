@@ -73,7 +73,11 @@ class TunixModel:
       module: the Tunix module with the model class, its ``ModelConfig`` and ``RematConfig``.
       model_class: name of the model class in ``module``.
       config: ``(cfg, dtype=, param_dtype=, remat=, sharding=) -> Tunix ModelConfig``: the Tunix
-        config equivalent to an HF config; raises UnsupportedError for what Tunix cannot express.
+        config closest to an HF config; raises UnsupportedError for what Tunix cannot build at all.
+      mismatches: ``(cfg) -> list[str]``: what the HF config asks for that the Tunix model does not
+        compute (``"rope_theta 5e+05 (Tunix llama3 always uses 1e+06)"``); empty when the Tunix
+        model computes what transformers computes. The files convert exactly either way; building
+        a Tunix model with a mismatch needs ``allow_config_mismatch``.
       trace_tokens: tokens a forward needs at least (for qwix's parameter-creating trace).
       forward: ``(model, tokens, positions, mask) -> logits``; default ``model(tokens, positions,
         None, mask)[0]``, the signature every Tunix text model shares.
@@ -82,6 +86,7 @@ class TunixModel:
     module: str
     model_class: str
     config: Callable[..., Any]
+    mismatches: Callable[[Any], list[str]] | None = None
     trace_tokens: int = 1
     forward: Callable[..., Any] | None = None
 

@@ -12,14 +12,13 @@ top-level ``lm_head.weight``, Tunix's ``lm_head.w`` (``d v``).
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import UnsupportedError
-from ckptbridge.specs.base import TensorRule
+from ckptbridge.specs.base import TensorRule, TunixModel
 
-log = logging.getLogger(__name__)
 R = TensorRule
 AXES = ("v", "d", "n", "h", "k", "f")
 
@@ -103,19 +102,9 @@ class Dense:
         )
 
 
-def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, tie_field: str, dtypes: bool,
-                 dtype: Any = None, param_dtype: Any = None, remat: str | None = None, sharding: Any = None,
-                 allow_mismatch: bool = False):
-    """The Tunix ``ModelConfig`` of a D-first family. ``fixed_theta``: the RoPE theta Tunix uses
-    whatever the config says (None: it takes the config's); ``dtypes``: whether the config has
-    ``dtype`` / ``param_dtype`` fields. Where Tunix computes something else than the HF config
-    says, raise, or with ``allow_mismatch`` log it and build what Tunix can."""
-    import importlib
-
-    import jax.numpy as jnp
-
-    tm = importlib.import_module(module)
-    name = module.split(".")[-2]
+def mismatches(cfg: ModelConfig, name: str, *, fixed_theta: float | None) -> list[str]:
+    """What a D-first HF config asks for that Tunix's ``name`` model does not compute. ``fixed_theta``:
+    the RoPE theta Tunix uses whatever the config says (None: it takes the config's)."""
     theta = float(cfg.extras["rope"].get("rope_theta", 10_000.0))
     problems = []
     if fixed_theta is not None and theta != fixed_theta:
@@ -126,12 +115,19 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
         problems.append(f"use_sliding_window (Tunix {name} attends to every position)")
     if cfg.extras["hidden_act"] != "silu":
         problems.append(f"hidden_act {cfg.extras['hidden_act']!r} (Tunix {name} uses silu)")
-    if problems:
-        what = (f"config.json: {'; '.join(problems)}: the Tunix model computes another model than transformers "
-                "(the files themselves convert exactly)")
-        if not allow_mismatch:
-            raise UnsupportedError(f"{what}; pass --allow-config-mismatch to build it anyway")
-        log.warning("%s; built anyway (--allow-config-mismatch)", what)
+    return problems
+
+
+def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, tie_field: str, dtypes: bool,
+                 dtype: Any = None, param_dtype: Any = None, remat: str | None = None, sharding: Any = None):
+    """The Tunix ``ModelConfig`` of a D-first family (the closest to the HF config: see
+    :func:`mismatches`). ``dtypes``: whether the Tunix config has ``dtype`` / ``param_dtype``."""
+    import importlib
+
+    import jax.numpy as jnp
+
+    tm = importlib.import_module(module)
+    theta = float(cfg.extras["rope"].get("rope_theta", 10_000.0))
     kwargs = dict(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
                   hidden_dim=cfg.intermediate_size, num_heads=cfg.num_heads, head_dim=cfg.layers[0].head_dim,
                   num_kv_heads=cfg.layers[0].num_kv_heads, rope_theta=int(fixed_theta or theta),
@@ -144,3 +140,14 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
     if sharding is not None:
         kwargs["shd_config"] = sharding
     return tm.ModelConfig(**kwargs)
+
+
+def tunix_model(module: str, model_class: str, *, fixed_theta: float | None, tie_field: str,
+                dtypes: bool) -> TunixModel:
+    """The :class:`TunixModel` of a D-first family on Tunix's ``module``."""
+    name = module.split(".")[-2]
+    return TunixModel(
+        module=module, model_class=model_class,
+        config=functools.partial(tunix_config, module=module, fixed_theta=fixed_theta, tie_field=tie_field,
+                                 dtypes=dtypes),
+        mismatches=functools.partial(mismatches, name=name, fixed_theta=fixed_theta))

@@ -12,7 +12,7 @@ Checkpoints: ``gemma3_text`` (Gemma3ForCausalLM, 270m and 1b) stores ``model.lay
 and projector are not converted (``--skip-multimodal``).
 
 Tunix's Gemma 3 fixes the layer pattern to 5 sliding : 1 global and has no softcapping; a config
-it cannot express converts exactly but builds no Tunix model.
+it cannot express converts exactly, and builds a Tunix model only with ``allow_config_mismatch``.
 """
 
 from __future__ import annotations
@@ -21,28 +21,12 @@ from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
+from ckptbridge.specs import gemma_rows as G
 from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
 
-R = TensorRule
-
 RULES: tuple[TensorRule, ...] = (
-    R("embed", ("embed_tokens.weight",), "v d", "embedder.input_embedding", "v d", scope="model"),
-    R("final_norm", ("norm.weight",), "d", "final_norm.scale", "d", scope="model"),
-    R("q", ("self_attn.q_proj.weight",), "(n h) d", "attn.q_einsum.w", "n d h", when="split_qkv", lora="q_einsum"),
-    R("kv", ("self_attn.k_proj.weight", "self_attn.v_proj.weight"), "(k h) d",
-      "attn.kv_einsum.w", "c k d h", when="split_qkv", lora="kv_einsum"),
-    R("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "(n h) d",
-      "attn.qkv_einsum.w", "c n d h", when="fused_qkv", lora="qkv_einsum"),
-    R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d", lora="attn_vec_einsum"),
-    R("q_norm", ("self_attn.q_norm.weight",), "h", "attn._query_norm.scale", "h"),
-    R("k_norm", ("self_attn.k_norm.weight",), "h", "attn._key_norm.scale", "h"),
-    R("gate", ("mlp.gate_proj.weight",), "f d", "mlp.gate_proj.kernel", "d f", lora="gate_proj"),
-    R("up", ("mlp.up_proj.weight",), "f d", "mlp.up_proj.kernel", "d f", lora="up_proj"),
-    R("down", ("mlp.down_proj.weight",), "d f", "mlp.down_proj.kernel", "f d", lora="down_proj"),
-    R("pre_attn_norm", ("input_layernorm.weight",), "d", "pre_attention_norm.scale", "d"),
-    R("post_attn_norm", ("post_attention_layernorm.weight",), "d", "post_attention_norm.scale", "d"),
-    R("pre_ffw_norm", ("pre_feedforward_layernorm.weight",), "d", "pre_ffw_norm.scale", "d"),
-    R("post_ffw_norm", ("post_feedforward_layernorm.weight",), "d", "post_ffw_norm.scale", "d"),
+    G.EMBED, G.FINAL_NORM, G.q("split_qkv"), G.kv("split_qkv"), G.qkv("fused_qkv"), G.O, *G.QK_NORMS, *G.MLP,
+    *G.sandwich_norms("post_attention_norm"),
 )
 
 # transformers' Gemma3TextConfig defaults.
@@ -145,22 +129,17 @@ TUNIX_RMS_EPS = 1e-6
 TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
-def _rope_of(cfg: ModelConfig, layer_type: str, problems: list[str]) -> tuple[float, float]:
+def _rope_of(cfg: ModelConfig, layer_type: str, problems: list[str] | None = None) -> tuple[float, float]:
     params = cfg.extras["rope"].get(layer_type) or {}
     rope_type = params.get("rope_type", "default")
-    if rope_type not in ("default", "linear"):
+    if rope_type not in ("default", "linear") and problems is not None:
         problems.append(f"rope_type {rope_type!r} for {layer_type} (Tunix Gemma 3 has default and linear)")
     factor = float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
     return float(params.get("rope_theta", 10_000.0)), factor
 
 
-def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
-                 sharding: Any = None, allow_mismatch: bool = False):
-    """``tunix.models.gemma3.model.ModelConfig`` equivalent to an HF Gemma 3 text config (Tunix's
-    Gemma 3 computes in its parameter dtype; ``dtype`` is not a setting of its own)."""
-    import jax.numpy as jnp
-    from tunix.models.gemma3 import model as gm
-
+def mismatches(cfg: ModelConfig) -> list[str]:
+    """What an HF Gemma 3 config asks for that Tunix's Gemma 3 does not compute."""
     problems = []
     expected = [SLIDING if (i + 1) % PATTERN else FULL for i in range(cfg.num_layers)]
     if [layer.attention for layer in cfg.layers] != expected:
@@ -172,22 +151,29 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
         problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix uses {TUNIX_RMS_EPS})")
     if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
         problems.append(f"hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
-    head_dim = cfg.layers[0].head_dim
-    qpas = cfg.extras["query_pre_attn_scalar"]
-    norm = gm.QueryPreAttentionNormalisation
-    if qpas == head_dim:
-        query_norm = norm.BY_ONE_OVER_SQRT_HEAD_DIM
-    elif qpas == cfg.hidden_size // cfg.num_heads:
-        query_norm = norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
-    else:
-        query_norm = None
+    head_dim, qpas = cfg.layers[0].head_dim, cfg.extras["query_pre_attn_scalar"]
+    if qpas not in (head_dim, cfg.hidden_size // cfg.num_heads):
         problems.append(f"query_pre_attn_scalar {qpas} (Tunix takes head_dim {head_dim} or hidden/heads "
                         f"{cfg.hidden_size // cfg.num_heads})")
-    local_freq, local_scale = _rope_of(cfg, SLIDING, problems)
-    global_freq, global_scale = _rope_of(cfg, FULL, problems)
-    if problems:
-        raise UnsupportedError(f"config.json: {'; '.join(problems)}: the Tunix model would compute another model "
-                               "than transformers (the files themselves convert exactly)")
+    _rope_of(cfg, SLIDING, problems)
+    _rope_of(cfg, FULL, problems)
+    return problems
+
+
+def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
+                 sharding: Any = None):
+    """``tunix.models.gemma3.model.ModelConfig`` closest to an HF Gemma 3 text config (Tunix's
+    Gemma 3 computes in its parameter dtype; ``dtype`` is not a setting of its own)."""
+    import jax.numpy as jnp
+    from tunix.models.gemma3 import model as gm
+
+    head_dim = cfg.layers[0].head_dim
+    norm = gm.QueryPreAttentionNormalisation
+    query_norm = (norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
+                  if cfg.extras["query_pre_attn_scalar"] == cfg.hidden_size // cfg.num_heads != head_dim
+                  else norm.BY_ONE_OVER_SQRT_HEAD_DIM)
+    local_freq, local_scale = _rope_of(cfg, SLIDING)
+    global_freq, global_scale = _rope_of(cfg, FULL)
     kwargs = dict(
         num_layers=cfg.num_layers,
         num_embed=cfg.vocab_size,
@@ -254,7 +240,8 @@ GEMMA3 = FamilySpec(
     foreign_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                       "model.multi_modal_projector."),
     tied_keys=("lm_head.weight", "language_model.lm_head.weight"),
-    tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config, trace_tokens=4),
+    tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config,
+                     mismatches=mismatches, trace_tokens=4),
     tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
 )

@@ -24,31 +24,18 @@ from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
+from ckptbridge.specs import gemma_rows as G
 from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
 
 R = TensorRule
 
 RULES: tuple[TensorRule, ...] = (
-    R("embed", ("embed_tokens.weight",), "v d", "embedder.input_embedding", "v d", scope="model"),
-    R("final_norm", ("norm.weight",), "d", "final_norm.scale", "d", scope="model"),
-    R("q", ("self_attn.q_proj.weight",), "(n h) d", "attn.q_einsum.w", "n d h", lora="q_einsum"),
-    R("kv", ("self_attn.k_proj.weight", "self_attn.v_proj.weight"), "(k h) d",
-      "attn.kv_einsum.w", "c k d h", when="kv_fused", lora="kv_einsum"),
+    G.EMBED, G.FINAL_NORM, G.q(), G.kv("kv_fused"),
     # On k_eq_v layers V is the raw K projection; vLLM computes V with its own LoRA slot, so a
     # vLLM-bound adapter repeats the k_proj factors as v_proj.
     R("k", ("self_attn.k_proj.weight",), "(k h) d", "attn.k_einsum.w", "k d h",
       when="k_eq_v", lora="k_einsum", vllm_lora_aliases=("self_attn.v_proj.weight",)),
-    R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d",
-      lora="attn_vec_einsum"),
-    R("q_norm", ("self_attn.q_norm.weight",), "h", "attn._query_norm.scale", "h"),
-    R("k_norm", ("self_attn.k_norm.weight",), "h", "attn._key_norm.scale", "h"),
-    R("gate", ("mlp.gate_proj.weight",), "f d", "mlp.gate_proj.kernel", "d f", lora="gate_proj"),
-    R("up", ("mlp.up_proj.weight",), "f d", "mlp.up_proj.kernel", "d f", lora="up_proj"),
-    R("down", ("mlp.down_proj.weight",), "d f", "mlp.down_proj.kernel", "f d", lora="down_proj"),
-    R("pre_attn_norm", ("input_layernorm.weight",), "d", "pre_attention_norm.scale", "d"),
-    R("post_attn_norm", ("post_attention_layernorm.weight",), "d", "post_attention_norm.scale", "d"),
-    R("pre_ffw_norm", ("pre_feedforward_layernorm.weight",), "d", "pre_ffw_norm.scale", "d"),
-    R("post_ffw_norm", ("post_feedforward_layernorm.weight",), "d", "post_ffw_norm.scale", "d"),
+    G.O, *G.QK_NORMS, *G.MLP, *G.sandwich_norms("post_attention_norm"),
     R("layer_scalar", ("layer_scalar",), "one", "skip_scale", "one"),
 )
 
@@ -226,17 +213,22 @@ def _rope(cfg: ModelConfig, layer_type: str, default_type: str) -> tuple[float, 
     return float(params["rope_theta"]), proportion, float(params.get("factor", 1.0))
 
 
+def mismatches(cfg: ModelConfig) -> list[str]:
+    """What an HF Gemma 4 config asks for that Tunix's Gemma 4 does not compute."""
+    problems = []
+    if cfg.rms_norm_eps != TUNIX_RMS_EPS:
+        problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix Gemma 4 uses {TUNIX_RMS_EPS})")
+    if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
+        problems.append(f"hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
+    return problems
+
+
 def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
-                 sharding: Any = None, allow_mismatch: bool = False):
+                 sharding: Any = None):
     """``tunix.models.gemma4.model.ModelConfig`` equivalent to an HF Gemma 4 text config."""
     import jax.numpy as jnp
     from tunix.models.gemma4 import model as gm
 
-    if cfg.rms_norm_eps != TUNIX_RMS_EPS:
-        raise UnsupportedError(f"config.json: rms_norm_eps {cfg.rms_norm_eps} (Tunix Gemma 4 uses {TUNIX_RMS_EPS})")
-    if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
-        raise UnsupportedError(
-            f"config.json: hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
     sliding = [layer for layer in cfg.layers if not layer.is_global]
     global_ = [layer for layer in cfg.layers if layer.is_global]
     for group, what in ((sliding, "sliding"), (global_, "global")):
@@ -361,7 +353,7 @@ GEMMA4 = FamilySpec(
     ),
     tied_keys=("lm_head.weight",),
     tunix=TunixModel(module="tunix.models.gemma4.model", model_class="Gemma4", config=tunix_config,
-                     trace_tokens=4),  # sliding layers need more than one token to trace
+                     mismatches=mismatches, trace_tokens=4),  # sliding layers need more than one token to trace
     tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
 )

@@ -11,19 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.specs import dfirst
-from ckptbridge.specs.base import FamilySpec, TunixModel
+from ckptbridge.specs.base import FamilySpec
 
 DENSE = dfirst.Dense("llama3", "llama", {
     "vocab_size": 32_000, "hidden_size": 4096, "intermediate_size": 11_008, "num_hidden_layers": 32,
     "num_attention_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }, refuse=(("attention_bias", "Tunix llama3 has no attention biases"),
            ("mlp_bias", "Tunix llama3 has no MLP biases")))
-MODULE = "tunix.models.llama3.model"
-
-
-def tunix_config(cfg, **kw):
-    """``tunix.models.llama3.model.ModelConfig`` (it has no dtype settings: Tunix computes in float32)."""
-    return dfirst.tunix_config(cfg, MODULE, fixed_theta=1_000_000.0, tie_field="weight_tying", dtypes=False, **kw)
+TUNIX_MODULE = "tunix.models.llama3.model"
+TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Llama3", fixed_theta=1_000_000.0, tie_field="weight_tying",
+                          dtypes=False)  # no dtype settings: Tunix llama3 computes in float32
 
 
 TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=40, intermediate_size=56, num_hidden_layers=3,
@@ -43,6 +40,6 @@ LLAMA3 = FamilySpec(
     name="llama3", model_types=("llama",), hf_classes={"llama": "LlamaForCausalLM"},
     rules=dfirst.rules(), key_prefixes=("model.",), default_prefixes={"llama": "model."},
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
-    tunix=TunixModel(module=MODULE, model_class="Llama3", config=tunix_config),
+    tunix=TUNIX,
     tiny_config=tiny_config, vllm_tiny=VLLM_DIMS,
 )

@@ -8,19 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.specs import dfirst
-from ckptbridge.specs.base import FamilySpec, TunixModel
+from ckptbridge.specs.base import FamilySpec
 
 DENSE = dfirst.Dense("qwen2", "qwen2", {
     "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
     "num_attention_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "use_sliding_window": False,
 })
-MODULE = "tunix.models.qwen2.model"
-
-
-def tunix_config(cfg, **kw):
-    """``tunix.models.qwen2.model.ModelConfig`` equivalent to an HF Qwen 2.5 config."""
-    return dfirst.tunix_config(cfg, MODULE, fixed_theta=None, tie_field="use_tied_embedding", dtypes=True, **kw)
+TUNIX_MODULE = "tunix.models.qwen2.model"
+TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Qwen2", fixed_theta=None, tie_field="use_tied_embedding",
+                          dtypes=True)
 
 
 # All distinct: V, D, N, K, H (= D / N, Qwen 2 has no head_dim field), F.
@@ -41,6 +38,6 @@ QWEN2 = FamilySpec(
     name="qwen2", model_types=("qwen2",), hf_classes={"qwen2": "Qwen2ForCausalLM"},
     rules=dfirst.rules(qkv_bias=True), key_prefixes=("model.",), default_prefixes={"qwen2": "model."},
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
-    tunix=TunixModel(module=MODULE, model_class="Qwen2", config=tunix_config),
+    tunix=TUNIX,
     tiny_config=tiny_config, vllm_tiny=VLLM_DIMS,
 )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.specs import dfirst
-from ckptbridge.specs.base import FamilySpec, TunixModel
+from ckptbridge.specs.base import FamilySpec
 
 RULES = dfirst.rules(qk_norm=True)
 # transformers' Qwen3Config defaults.
@@ -26,14 +26,10 @@ DENSE = dfirst.Dense("qwen3", "qwen3", {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
 }, refuse=(("attention_bias", "Qwen 3 and Tunix have no q/k/v biases"),))
 parse_config = DENSE.parse_config
-MODULE = "tunix.models.qwen3.model"
+TUNIX_MODULE = "tunix.models.qwen3.model"
 TUNIX_ROPE_THETA = 1_000_000.0
-
-
-def tunix_config(cfg, **kw):
-    """``tunix.models.qwen3.model.ModelConfig`` equivalent to an HF Qwen 3 config."""
-    return dfirst.tunix_config(cfg, MODULE, fixed_theta=TUNIX_ROPE_THETA, tie_field="use_tied_embedding", dtypes=True,
-                               **kw)
+TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Qwen3", fixed_theta=TUNIX_ROPE_THETA, tie_field="use_tied_embedding",
+                          dtypes=True)
 
 
 # All distinct: V, D, N, K, H, F.
@@ -62,7 +58,7 @@ QWEN3 = FamilySpec(
     axes=dfirst.AXES,
     model_flags=("untied_head",),
     tied_keys=("lm_head.weight",),
-    tunix=TunixModel(module=MODULE, model_class="Qwen3", config=tunix_config),
+    tunix=TUNIX,
     tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
 )
