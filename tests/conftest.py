@@ -101,3 +101,20 @@ def stop_server(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def flat_state(module) -> dict:
+    """An nnx module's parameters as {path tuple of str: leaf} (leaves as nnx gives them)."""
+    from flax import nnx
+
+    flat = {}
+
+    def walk(node, prefix=()):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, prefix + (str(key),))
+        else:
+            flat[prefix] = node
+
+    walk(nnx.state(module).to_pure_dict())
+    return flat

@@ -22,7 +22,7 @@ from ckptbridge.sources import open_base, open_hf_source
 from ckptbridge.testing import build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
 from ckptbridge.verify import compare_tensors, hf_logits, logits_parity, peft_logits, rel_l2, tunix_logits
 
-from conftest import run_cli, tree_hash
+from conftest import flat_state, run_cli, tree_hash
 
 CASES = {
     "gemma3_text": dict(family="gemma3", model_type="gemma3_text"),
@@ -109,8 +109,6 @@ def _tunix_loader(spec, src, tcfg):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tree_equals_tunix_loader(models, case):
     """Our map gives exactly the tree Tunix's own loader builds from the same HF files."""
-    from flax import nnx
-
     from ckptbridge.tunix_model import tunix_model_config
 
     src = models[case]
@@ -119,17 +117,8 @@ def test_tree_equals_tunix_loader(models, case):
             with pytest.raises(Exception, match="pre_ffw_norm|post_attn_norm"):
                 _tunix_loader(source.spec, src, tunix_model_config(source.cfg, param_dtype=np.float32))
             return
-        theirs = nnx.state(_tunix_loader(source.spec, src, tunix_model_config(source.cfg, param_dtype=np.float32)))
-        flat = {}
-
-        def walk(node, prefix=()):
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    walk(value, prefix + (str(key),))
-            else:
-                flat[prefix] = np.asarray(node)
-
-        walk(theirs.to_pure_dict())
+        theirs = _tunix_loader(source.spec, src, tunix_model_config(source.cfg, param_dtype=np.float32))
+        flat = {path: np.asarray(leaf) for path, leaf in flat_state(theirs).items()}
         ours = {e.tunix_path: source.tunix_value(e) for e in source.entries}
     assert set(ours) == set(flat)
     for path, value in ours.items():
@@ -237,6 +226,21 @@ def test_gemma3_fused_qkv_lora(tmp_path):
         "ckptbridge": {"kind": "lora", "lora": {"rules": rules}}})
     convert_orbax_to_peft(ckpt, str(tmp_path / "exported"), base=base, progress=False)
     assert rel_l2(peft_logits(base, str(tmp_path / "exported"), TOKENS), tunix_logits(model, TOKENS)) <= 1e-5
+
+
+def test_gemma1_fused_qkv_svd(adapters, tmp_path):
+    """Gemma 1 7B-like (N == K): PEFT's three A's share one in qwix; `--kv svd` keeps rank r and
+    reports each module's relative error; `--kv exact` (rank 3r) is exact (the parametrized tests)."""
+    from ckptbridge.tunix_model import load_tunix_adapter
+
+    a = adapters["gemma_fused"]
+    r = convert_peft_to_orbax(a["peft"], str(tmp_path / "svd"), base=a["base"], kv="svd", progress=False)
+    layers = len(open_base(a["base"]).cfg.layers)
+    assert r["modes"]["svd"] == layers and len(r["svd_relative_error"]) == layers
+    assert all(0 < e < 1 for e in r["svd_relative_error"].values()) and r["rules"][0]["rank"] == 4
+    got = tunix_logits(load_tunix_adapter(a["base"], str(tmp_path / "svd")), TOKENS)
+    ref, base = peft_logits(a["base"], a["peft"], TOKENS), hf_logits(a["base"], TOKENS)
+    assert rel_l2(got, ref) < rel_l2(base, ref)  # closer to the adapter than no adapter at all
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -416,3 +420,26 @@ def test_config_tunix_cannot_compute(tmp_path, family, rope):
     proc = subprocess.run(argv + ["--allow-config-mismatch"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and json.loads(proc.stdout)["steps"] == 1, proc.stderr[-2000:]
     assert json.load(open(os.path.join(run, "config.json")))["allow_config_mismatch"] is True
+
+
+@pytest.mark.parametrize("family, fields, expected", [
+    ("llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0}},
+     ["rope_theta 500000 (Tunix llama3 always uses 1e+06)", "rope_type 'llama3'"]),
+    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0}}, ["rope_theta 5e+06"]),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, ["use_sliding_window"]),
+    ("gemma2", {"query_pre_attn_scalar": 144}, ["query_pre_attn_scalar 144 (Tunix gemma scales"]),
+    ("gemma", {"hidden_act": "gelu"}, ["hidden_act 'gelu' (Tunix gemma uses tanh GELU)"]),
+    ("gemma", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, ["rope_theta 1e+06"]),
+    ("gemma3", {"final_logit_softcapping": 30.0}, ["final_logit_softcapping 30.0"]),
+    ("gemma4", {"rms_norm_eps": 1e-5}, ["rms_norm_eps 1e-05"]),
+])
+def test_mismatch_line_names_each_field(family, fields, expected):
+    """One line per config, naming every field Tunix's model of the family does not compute; none for
+    the tiny configs the tests use."""
+    from ckptbridge.specs import get_family, parse_config
+    from ckptbridge.tunix_model import mismatch_line
+
+    spec = get_family(family)
+    assert mismatch_line(parse_config(spec.tiny_config(spec.model_types[0]))) is None
+    line = mismatch_line(parse_config(spec.tiny_config(spec.model_types[0], **fields)))
+    assert line and "\n" not in line and all(e in line for e in expected), line

@@ -7,6 +7,8 @@ from ckptbridge import mapping
 from ckptbridge.specs import GEMMA4, parse_config
 from ckptbridge.specs.gemma4 import text_config_kwargs
 
+from conftest import flat_state
+
 V, D, N, K, H, HG, KG, F = 300, 40, 4, 2, 12, 20, 1, 56
 
 
@@ -100,15 +102,6 @@ def test_tunix_parameter_tree_matches_spec():
     for k_eq_v in (True, False):
         c = cfg(k_eq_v)
         abstract = nnx.eval_shape(lambda: gm.Gemma4(tunix_model_config(c), rngs=nnx.Rngs(params=0)))
-        flat = {}
-
-        def walk(node, prefix=()):
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    walk(value, prefix + (str(key),))
-            else:
-                flat[prefix] = tuple(node.shape)
-
-        walk(nnx.state(abstract).to_pure_dict())
+        flat = {path: tuple(leaf.shape) for path, leaf in flat_state(abstract).items()}
         ours = {e.tunix_path: e.tunix_shape for e in mapping.entries(c, GEMMA4, "model.")}
         assert ours == flat
