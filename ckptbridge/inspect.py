@@ -12,6 +12,7 @@ from ckptbridge.errors import CorruptFileError, InputNotFoundError
 from ckptbridge.qwix_lora import is_lora_a, is_lora_leaf
 from ckptbridge.sources import is_hf_directory
 from ckptbridge.specs import parse_config
+from ckptbridge.tunix_model import config_mismatches
 
 
 def _count(shape) -> int:
@@ -41,6 +42,7 @@ def _inspect_hf(path: str) -> dict:
         "bytes": nbytes,
         "files": files,
         "towers": list(cfg.towers),
+        "tunix_mismatch": config_mismatches(cfg),  # what the family's Tunix model computes otherwise
     }
     try:
         with open_hf_source(path, skip_multimodal=True) as source:
@@ -71,7 +73,8 @@ def _inspect_orbax(path: str, step: int | None) -> dict:
         }
         if isinstance(meta.get("hf_config"), dict):
             cfg = parse_config(meta["hf_config"], f"{item} (metadata)")
-            out.update(family=cfg.family, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds())
+            out.update(family=cfg.family, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
+                       tunix_mismatch=config_mismatches(cfg))
         if lora:
             ranks = Counter()
             for p, (shape, _) in leaves.items():
@@ -145,7 +148,7 @@ def format_report(info: dict) -> str:
     """Human-readable lines for an inspect result."""
     lines = [f"{info['path']}: {info['kind']}"]
     for key in ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
-                "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora",
+                "tunix_mismatch",                "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora",
                 "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge", "lora_ranks",
                 "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid", "problem"):
         if key in info and info[key] not in (None, [], {}):

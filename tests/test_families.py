@@ -402,6 +402,8 @@ def test_config_tunix_cannot_compute(tmp_path, family, rope):
     assert len(notes) == 1 and "convert exactly" in notes[0] and f"Tunix {family}" in notes[0], cli.stderr
     if family == "llama3":
         assert "rope_type 'llama3'" in notes[0]
+    info = json.loads(run_cli("inspect", src, "--json").stdout)
+    assert any(p.startswith("rope_theta") for p in info["tunix_mismatch"])
     r = convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
     assert compare_tensors(src, str(tmp_path / "back"))["identical"] and "rope_theta" in r["config_mismatch"]
     with pytest.raises(UnsupportedError, match=r"rope_theta .*--allow-config-mismatch"):
