@@ -62,6 +62,16 @@ def rope(hf_config: dict) -> dict:
     return out
 
 
+def tiny_config(model_type: str, hf_class: str, dims: dict, *, rope_theta: float, rms_norm_eps: float = 1e-6):
+    """The ``tiny_config`` of a D-first family: HF config of a tiny random model with ``dims``, RoPE
+    ``rope_theta`` and an untied head (``tie_word_embeddings=True`` ties it)."""
+    def make(_model_type: str = model_type, **overrides: Any) -> dict:
+        return {"model_type": model_type, "architectures": [hf_class], **dims,
+                "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "tie_word_embeddings": False,
+                "rms_norm_eps": rms_norm_eps, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
+    return make
+
+
 @dataclasses.dataclass(frozen=True)
 class Dense:
     """One D-first family: its name, HF model type, transformers defaults and refusals."""

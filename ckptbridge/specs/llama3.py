@@ -29,11 +29,8 @@ VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_s
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
-def tiny_config(model_type: str = "llama", **overrides: Any) -> dict:
-    """HF config of a tiny random Llama (theta 1e6, the value Tunix computes with; untied head)."""
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **TINY_DIMS,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "tie_word_embeddings": False,
-            "rms_norm_eps": 1e-5, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
+# HF config of a tiny random model (theta 1e6, the value Tunix computes with; untied head)
+tiny_config = dfirst.tiny_config("llama", "LlamaForCausalLM", TINY_DIMS, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
 
 
 LLAMA3 = FamilySpec(

@@ -27,11 +27,8 @@ VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_s
                                  num_attention_heads=2, num_key_value_heads=1)
 
 
-def tiny_config(model_type: str = "qwen2", **overrides: Any) -> dict:
-    """HF config of a tiny random Qwen 2.5 (theta 1e4 to show Tunix takes it; untied head)."""
-    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **TINY_DIMS,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}, "tie_word_embeddings": False,
-            "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
+# HF config of a tiny random model (theta 1e4 to show Tunix takes it; untied head)
+tiny_config = dfirst.tiny_config("qwen2", "Qwen2ForCausalLM", TINY_DIMS, rope_theta=10_000.0)
 
 
 QWEN2 = FamilySpec(

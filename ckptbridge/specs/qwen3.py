@@ -40,11 +40,8 @@ VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_s
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
-def tiny_config(model_type: str = "qwen3", **overrides: Any) -> dict:
-    """HF config of a tiny random Qwen 3 (untied head unless ``tie_word_embeddings=True``)."""
-    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **TINY_DIMS,
-            "rope_parameters": {"rope_type": "default", "rope_theta": TUNIX_ROPE_THETA}, "tie_word_embeddings": False,
-            "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
+# HF config of a tiny random model (theta 1e6, the value Tunix computes with; untied head)
+tiny_config = dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope_theta=TUNIX_ROPE_THETA)
 
 
 QWEN3 = FamilySpec(
