@@ -153,6 +153,8 @@ def cmd_verify_logits(args) -> int:
         f"logits parity, transformers ({r['hf']}) vs Tunix ({r['tunix']}), tokens {r['tokens'][0]}x{r['tokens'][1]}"
         f" (sliding window {r['sliding_window']}):\n  relative L2 {r['rel_l2']:.3e}, max |diff| {r['max_abs_diff']:.3e},"
         f" argmax agreement {r['argmax_agreement']:.4f} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:g})"
+        + (f"\n  the gap measured for what Tunix computes otherwise: {'; '.join(r['config_mismatch'])}"
+           if r["config_mismatch"] else "")
     ))
     return 0 if ok else 6
 

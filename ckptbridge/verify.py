@@ -119,7 +119,7 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
     checkpoint; default ``hf_dir``) on the same random tokens; report relative L2 and argmax."""
     import jax
 
-    from ckptbridge.tunix_model import load_tunix_model
+    from ckptbridge.tunix_model import config_mismatches, load_tunix_model
 
     jax.config.update("jax_default_matmul_precision", "highest")
     config_path = os.path.join(hf_dir, "config.json")
@@ -142,6 +142,7 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
         "rel_l2": rel,
         "max_abs_diff": float(np.max(np.abs(ours - ref))),
         "argmax_agreement": float(np.mean(ours.argmax(-1) == ref.argmax(-1))),
+        "config_mismatch": config_mismatches(cfg),  # what Tunix computes otherwise (then the gap is expected)
     }
 
 

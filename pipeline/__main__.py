@@ -134,7 +134,7 @@ def run(args) -> dict:
         report["model"] = {"source": "embedded", **dims}
     b = open_base(base)
     report["model"].update(family=b.spec.name, model_type=b.cfg.model_type, layer_kinds=b.cfg.layer_kinds(),
-                           bytes=dir_bytes(base))
+                           head_dim=b.cfg.layers[0].head_dim, bytes=dir_bytes(base))
 
     # 2. conversions + parity
     steps("convert", "HF -> Orbax -> HF round trip (bitwise) and transformers vs Tunix logits")

@@ -410,6 +410,7 @@ def test_config_tunix_cannot_compute(tmp_path, family, rope):
         logits_parity(src)
     gap = logits_parity(src, allow_config_mismatch=True)
     assert gap["rel_l2"] > 1e-4  # measured, not hidden
+    assert any(p.startswith("rope_theta") for p in gap["config_mismatch"])
     cli = run_cli("verify", "logits", src, "--allow-config-mismatch", "--json")
     assert cli.returncode == 6 and json.loads(cli.stdout)["rel_l2"] == pytest.approx(gap["rel_l2"], rel=1e-3)
     # training: refused before anything is written, then trains with the flag
