@@ -54,7 +54,7 @@ def kill_trials(argv_for, dst_of, check_complete, total_s, tmp, rng):
     for i in range(TRIALS):
         argv = argv_for(i)
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, 1.05) * total_s)  # from the imports to just past the end
+        time.sleep(rng.uniform(0.3, 1.3) * total_s)  # from the imports to past the end (a third land after it)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         dst = dst_of(i)
