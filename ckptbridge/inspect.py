@@ -148,9 +148,10 @@ def format_report(info: dict) -> str:
     """Human-readable lines for an inspect result."""
     lines = [f"{info['path']}: {info['kind']}"]
     for key in ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
-                "tunix_mismatch",                "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora",
-                "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge", "lora_ranks",
-                "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid", "problem"):
+                "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
+                "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
+                "lora_ranks", "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid",
+                "problem"):
         if key in info and info[key] not in (None, [], {}):
             value = info[key]
             if key in ("parameters", "bytes"):
