@@ -35,7 +35,8 @@ class Entry:
 
     @property
     def hf_stacked_layout(self) -> str:
-        return f"c {self.rule.hf_layout}" if self.rule.fused else self.rule.hf_layout
+        axis = self.rule.stack_axis
+        return f"{axis} {self.rule.hf_layout}" if axis else self.rule.hf_layout
 
     @property
     def tunix_name(self) -> str:
@@ -44,7 +45,7 @@ class Entry:
     @property
     def key_prefix(self) -> str:
         """The HF key prefix of this entry (up to and including ``layers.{i}.``; empty for absolute keys)."""
-        return self.hf_keys[0][: len(self.hf_keys[0]) - len(self.rule.hf[0])]
+        return self.hf_keys[0][: len(self.hf_keys[0]) - len(self.rule.suffixes(self.sizes)[0])]
 
 
 def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
@@ -54,25 +55,27 @@ def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
     out = []
     for r in spec.rules:
         if r.scope == "model" and r.applies(cfg.flags):
-            keys = tuple(k if r.absolute else prefix + k for k in r.hf)
-            out.append(Entry(r, None, keys, tuple(r.tunix.split(".")), cfg.model_sizes()))
+            sizes = cfg.model_sizes()
+            keys = tuple(k if r.absolute else prefix + k for k in r.suffixes(sizes))
+            out.append(Entry(r, None, keys, tuple(r.tunix.split(".")), sizes))
     layer_rules = [r for r in spec.rules if r.scope == "layer"]
     for layer in cfg.layers:
         sizes, flags = cfg.layer_sizes(layer), cfg.layer_flags(layer)
         for r in layer_rules:
             if r.applies(flags):
-                keys = tuple(f"{prefix}layers.{layer.index}.{k}" for k in r.hf)
+                keys = tuple(f"{prefix}layers.{layer.index}.{k}" for k in r.suffixes(sizes))
                 out.append(Entry(r, layer, keys, ("layers", str(layer.index), *r.tunix.split(".")), sizes))
     return out
 
 
 def hf_to_tunix(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
-    """HF tensor(s) of one entry -> the Tunix parameter (fused along ``c`` when several)."""
-    x = np.stack(arrays) if entry.rule.fused else arrays[0]
+    """HF tensor(s) of one entry -> the Tunix parameter (stacked along ``c`` or the row's stack axis
+    when several)."""
+    x = np.stack(arrays) if entry.rule.stack_axis else arrays[0]
     return layout.rearrange(x, entry.hf_stacked_layout, entry.rule.tunix_layout, entry.sizes)
 
 
 def tunix_to_hf(entry: Entry, value: np.ndarray) -> list[np.ndarray]:
     """The Tunix parameter of one entry -> its HF tensor(s), in ``entry.hf_keys`` order."""
     y = layout.rearrange(value, entry.rule.tunix_layout, entry.hf_stacked_layout, entry.sizes)
-    return [y[i] for i in range(len(entry.hf_keys))] if entry.rule.fused else [y]
+    return [y[i] for i in range(len(entry.hf_keys))] if entry.rule.stack_axis else [y]

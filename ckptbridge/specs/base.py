@@ -44,6 +44,9 @@ class TensorRule:
       lora: qwix name of the module when the tensor can carry a LoRA adapter.
       vllm_lora_aliases: HF key suffixes that must also receive this module's LoRA factors in an
         adapter exported for vLLM (a module whose output vLLM computes from a separate projection).
+      stack: an axis letter: the one suffix of ``hf`` is a template with ``{<letter>}`` in it (one HF
+        key per index, as ``mlp.experts.{e}.gate_proj.weight``), and the HF tensors are stacked
+        along that axis on the Tunix side (an expert axis). Such tensors are never LoRA targets.
     """
 
     name: str
@@ -56,6 +59,7 @@ class TensorRule:
     absolute: bool = False
     lora: str | None = None
     vllm_lora_aliases: tuple[str, ...] = ()
+    stack: str | None = None
 
     def applies(self, flags: Mapping[str, bool]) -> bool:
         return self.when is None or bool(flags[self.when])
@@ -63,6 +67,17 @@ class TensorRule:
     @property
     def fused(self) -> bool:
         return len(self.hf) > 1
+
+    @property
+    def stack_axis(self) -> str | None:
+        """The Tunix axis the HF tensors are stacked along: ``c`` (fused), the ``stack`` axis, or None."""
+        return "c" if self.fused else self.stack
+
+    def suffixes(self, sizes: Mapping[str, int]) -> tuple[str, ...]:
+        """The HF key suffixes of this row for axis sizes ``sizes`` (a template expanded per index)."""
+        if self.stack is None:
+            return self.hf
+        return tuple(self.hf[0].replace("{" + self.stack + "}", str(i)) for i in range(sizes[self.stack]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +175,11 @@ class FamilySpec:
                 raise ValueError(f"{where}: a rule fuses one to three HF tensors")
             if r.fused != ("c" in layout.axes(r.tunix_layout)):
                 raise ValueError(f"{where}: several HF tensors need the fused axis c in the Tunix layout, and only they")
+            if r.stack is not None and (r.fused or "{" + r.stack + "}" not in r.hf[0] or r.lora
+                                        or r.stack not in layout.axes(r.tunix_layout)
+                                        or r.stack in layout.axes(r.hf_layout)):
+                raise ValueError(f"{where}: a stacked row has one HF key template with {{{r.stack}}}, its axis in the "
+                                 "Tunix layout only, and no LoRA")
         for model_type in self.model_types:
             if model_type not in self.hf_classes or model_type not in self.default_prefixes:
                 raise ValueError(f"family {self.name}: model_type {model_type!r} needs an HF class and a default prefix")

@@ -23,7 +23,11 @@ R = TensorRule
 AXES = ("v", "d", "n", "h", "k", "f")
 
 
-def rules(*, qk_norm: bool = False, qkv_bias: bool = False) -> tuple[TensorRule, ...]:
+def rules(*, qk_norm: bool = False, qkv_bias: bool = False, moe: bool = False) -> tuple[TensorRule, ...]:
+    """The rows of a D-first family; ``moe``: layers are MoE or dense (layer flags ``moe`` and
+    ``dense_mlp``), a MoE layer's router and its experts stacked on Tunix's leading ``e`` axis
+    (``m`` the expert width) from HF's one key per expert."""
+    dense = "dense_mlp" if moe else None
     out = [
         R("embed", ("embed_tokens.weight",), "v d", "embedder.input_embedding", "v d", scope="model"),
         R("final_norm", ("norm.weight",), "d", "final_norm.w", "d", scope="model"),
@@ -42,12 +46,20 @@ def rules(*, qk_norm: bool = False, qkv_bias: bool = False) -> tuple[TensorRule,
         out += [R("q_norm", ("self_attn.q_norm.weight",), "h", "attn.q_norm.w", "h"),
                 R("k_norm", ("self_attn.k_norm.weight",), "h", "attn.k_norm.w", "h")]
     out += [
-        R("gate", ("mlp.gate_proj.weight",), "f d", "mlp.gate_proj.kernel", "d f", lora="gate_proj"),
-        R("up", ("mlp.up_proj.weight",), "f d", "mlp.up_proj.kernel", "d f", lora="up_proj"),
-        R("down", ("mlp.down_proj.weight",), "d f", "mlp.down_proj.kernel", "f d", lora="down_proj"),
+        R("gate", ("mlp.gate_proj.weight",), "f d", "mlp.gate_proj.kernel", "d f", when=dense, lora="gate_proj"),
+        R("up", ("mlp.up_proj.weight",), "f d", "mlp.up_proj.kernel", "d f", when=dense, lora="up_proj"),
+        R("down", ("mlp.down_proj.weight",), "d f", "mlp.down_proj.kernel", "f d", when=dense, lora="down_proj"),
         R("pre_attn_norm", ("input_layernorm.weight",), "d", "input_layernorm.w", "d"),
         R("post_attn_norm", ("post_attention_layernorm.weight",), "d", "post_attention_layernorm.w", "d"),
     ]
+    if moe:  # qwix puts no LoRA on raw expert Params (nor on the router: HF's is no nn.Linear for PEFT)
+        out += [R("router", ("mlp.gate.weight",), "e d", "mlp.router.kernel", "d e", when="moe"),
+                R("experts_gate", ("mlp.experts.{e}.gate_proj.weight",), "m d", "mlp.gate_proj", "e d m", when="moe",
+                  stack="e"),
+                R("experts_up", ("mlp.experts.{e}.up_proj.weight",), "m d", "mlp.up_proj", "e d m", when="moe",
+                  stack="e"),
+                R("experts_down", ("mlp.experts.{e}.down_proj.weight",), "d m", "mlp.down_proj", "e m d", when="moe",
+                  stack="e")]
     return tuple(out)
 
 
@@ -99,7 +111,20 @@ class Dense:
         vocab = int_field(hf_config, "vocab_size", where, self.defaults)
         mlp = int_field(hf_config, "intermediate_size", where, self.defaults)
         sizes = {"v": vocab, "d": hidden, "n": num_heads, "h": head_dim, "k": kv_heads, "f": mlp, "one": 1}
-        layers = [LayerConfig(i, t, head_dim, kv_heads, "sliding" if t == SLIDING else "full")
+        experts = hf_config.get("num_experts", hf_config.get("num_local_experts", self.defaults.get("num_experts")))
+        moe: set[int] = set()
+        extras: dict[str, Any] = {"rope": rope(hf_config), "hidden_act": str(get("hidden_act")), "experts": None}
+        if experts:  # as transformers: every decoder_sparse_step-th layer not in mlp_only_layers
+            step = int(get("decoder_sparse_step") or 1)
+            only = {int(i) for i in (get("mlp_only_layers") or [])}
+            moe = {i for i in range(num_layers) if i not in only and (i + 1) % step == 0}
+            sizes.update(e=int(experts), m=int_field(hf_config, "moe_intermediate_size", where, self.defaults))
+            extras["experts"] = {"num_experts": int(experts), "top_k": int_field(hf_config, "num_experts_per_tok", where,
+                                                                                 self.defaults),
+                                 "norm_topk_prob": bool(get("norm_topk_prob")),
+                                 "dense_layers": [i for i in range(num_layers) if i not in moe]}
+        layers = [LayerConfig(i, t, head_dim, kv_heads, ("sliding" if t == SLIDING else "full") + (" moe" if i in moe else ""),
+                              flags={"moe": i in moe, "dense_mlp": i not in moe})
                   for i, t in enumerate(types)]
         check_heads(layers, num_heads, where)
         tie = bool(get("tie_word_embeddings"))
@@ -108,7 +133,7 @@ class Dense:
             intermediate_size=mlp, num_heads=num_heads, layers=tuple(layers), rms_norm_eps=float(get("rms_norm_eps")),
             tie_word_embeddings=tie, sliding_window=int(window) if window else None, key_prefix="model.", towers=(),
             sizes=sizes, flags={"untied_head": not tie},
-            extras={"rope": rope(hf_config), "hidden_act": str(get("hidden_act"))}, hf_config=hf_config,
+            extras=extras, hf_config=hf_config,
         )
 
 
@@ -125,6 +150,9 @@ def mismatches(cfg: ModelConfig, name: str, *, fixed_theta: float | None) -> lis
         problems.append(f"use_sliding_window (Tunix {name} attends to every position)")
     if cfg.extras["hidden_act"] != "silu":
         problems.append(f"hidden_act {cfg.extras['hidden_act']!r} (Tunix {name} uses silu)")
+    experts = cfg.extras.get("experts")
+    if experts and not experts["norm_topk_prob"]:
+        problems.append(f"norm_topk_prob false (Tunix {name} renormalises the top-k routing weights)")
     return problems
 
 
@@ -138,8 +166,15 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
 
     tm = importlib.import_module(module)
     theta = float(cfg.extras["rope"].get("rope_theta", 10_000.0))
+    experts = cfg.extras.get("experts")
+    moe = {}
+    if experts:
+        if experts["dense_layers"]:
+            raise UnsupportedError(f"config.json: dense MLP layers {experts['dense_layers']} (mlp_only_layers, "
+                                   "decoder_sparse_step) among MoE layers: Tunix's model makes every layer MoE")
+        moe = dict(num_experts=experts["num_experts"], num_experts_per_tok=experts["top_k"])
     kwargs = dict(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
-                  hidden_dim=cfg.intermediate_size, num_heads=cfg.num_heads, head_dim=cfg.layers[0].head_dim,
+                  hidden_dim=cfg.sizes["m"] if experts else cfg.intermediate_size, **moe, num_heads=cfg.num_heads, head_dim=cfg.layers[0].head_dim,
                   num_kv_heads=cfg.layers[0].num_kv_heads, rope_theta=int(fixed_theta or theta),
                   norm_eps=cfg.rms_norm_eps, **{tie_field: cfg.tie_word_embeddings})
     if dtypes:

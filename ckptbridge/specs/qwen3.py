@@ -1,4 +1,5 @@
-"""Qwen 3 (dense): the HF <-> Tunix table, the config parser and the Tunix builder.
+"""Qwen 3, dense (``qwen3``) and mixture-of-experts (``qwen3_moe``, 30B-A3B): the HF <-> Tunix
+table, the config parser and the Tunix builder.
 
 The D-first rows of :mod:`ckptbridge.specs.dfirst` plus q/k norms (per head, before RoPE).
 Tunix's ``qwen3`` einsums put ``d`` first (``q_proj.w`` is ``d n h``, unlike Gemma's ``n d h``);
@@ -7,25 +8,44 @@ q, k and v are separate modules, so each has its own LoRA (exact both ways); RMS
 embedding on small sizes (0.6B-4B) and a separate top-level ``lm_head.weight`` on larger ones;
 Tunix stores it as ``lm_head.w`` (``d v``).
 
-Tunix 0.1.7 computes RoPE with theta 1e6 whatever the config says, so a Tunix model is built
-only for configs with ``rope_theta`` 1e6 (conversion is exact for any config).
+MoE layers: HF writes one key per expert (``mlp.experts.{j}.gate_proj.weight`` ``(m, d)``), Tunix
+stacks them into one raw parameter per projection (``mlp.gate_proj`` ``(e, d, m)``); the router
+``mlp.gate.weight`` ``(e, d)`` is Tunix's ``mlp.router.kernel`` ``(d, e)``. qwix puts LoRA on
+attention only there (experts are raw parameters, not modules).
+
+Tunix 0.1.7 computes RoPE with theta 1e6 whatever the config says, and always renormalises the
+top-k routing weights (HF: ``norm_topk_prob``), so a Tunix model is built only for configs that
+agree (conversion is exact for any config).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ckptbridge.config import ModelConfig
 from ckptbridge.specs import dfirst
 from ckptbridge.specs.base import FamilySpec
 
-RULES = dfirst.rules(qk_norm=True)
-# transformers' Qwen3Config defaults.
+RULES = dfirst.rules(qk_norm=True, moe=True)
+REFUSE = (("attention_bias", "Qwen 3 and Tunix have no q/k/v biases"),)
+# transformers' Qwen3Config and Qwen3MoeConfig defaults.
 DENSE = dfirst.Dense("qwen3", "qwen3", {
     "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-}, refuse=(("attention_bias", "Qwen 3 and Tunix have no q/k/v biases"),))
-parse_config = DENSE.parse_config
+}, refuse=REFUSE)
+MOE = dfirst.Dense("qwen3", "qwen3_moe", {
+    "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False, "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
+}, refuse=REFUSE)
+
+
+def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
+    """A Qwen 3 dense or MoE config (``num_local_experts``, as transformers 5 writes it, or ``num_experts``)."""
+    return (MOE if hf_config.get("model_type") == "qwen3_moe" else DENSE).parse_config(hf_config, where)
+
 TUNIX_MODULE = "tunix.models.qwen3.model"
 TUNIX_ROPE_THETA = 1_000_000.0
 TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Qwen3", fixed_theta=TUNIX_ROPE_THETA, tie_field="use_tied_embedding",
@@ -40,19 +60,28 @@ VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_s
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
-# HF config of a tiny random model (theta 1e6, the value Tunix computes with; untied head)
-tiny_config = dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope_theta=TUNIX_ROPE_THETA)
+# and E = 5 experts of width M = 20, 2 per token
+MOE_DIMS: dict[str, Any] = dict(num_experts=5, moe_intermediate_size=20, num_experts_per_tok=2, norm_topk_prob=True)
+# HF configs of tiny random models (theta 1e6, the value Tunix computes with; untied head)
+TINY = {"qwen3": dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope_theta=TUNIX_ROPE_THETA),
+        "qwen3_moe": dfirst.tiny_config("qwen3_moe", "Qwen3MoeForCausalLM", {**TINY_DIMS, **MOE_DIMS},
+                                        rope_theta=TUNIX_ROPE_THETA)}
+
+
+def tiny_config(model_type: str = "qwen3", **overrides: Any) -> dict:
+    return TINY[model_type](**overrides)
 
 
 QWEN3 = FamilySpec(
     name="qwen3",
-    model_types=("qwen3",),
-    hf_classes={"qwen3": "Qwen3ForCausalLM"},
+    model_types=("qwen3", "qwen3_moe"),
+    hf_classes={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
     rules=RULES,
     key_prefixes=("model.",),
-    default_prefixes={"qwen3": "model."},
+    default_prefixes={"qwen3": "model.", "qwen3_moe": "model."},
     parse_config=parse_config,
-    axes=dfirst.AXES,
+    axes=(*dfirst.AXES, "e", "m"),
+    layer_flags=("moe", "dense_mlp"),
     model_flags=("untied_head",),
     tied_keys=("lm_head.weight",),
     tunix=TUNIX,
