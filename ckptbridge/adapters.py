@@ -17,7 +17,7 @@ from collections import Counter
 import numpy as np
 
 from ckptbridge import lora, vllm_lora
-from ckptbridge.errors import ConfigError
+from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.safetensors import PlannedTensor, write_file
@@ -274,6 +274,11 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
     b = open_base(base)
     mismatch = note_mismatch(b.cfg)
     with lora.open_peft_lora(src, b) as ad:
+        if ad.params:
+            names = sorted({name.split("layers.", 1)[-1].split(".", 1)[-1] for name in ad.params})
+            raise UnsupportedError(
+                f"{src}: LoRA on {', '.join(names)} (target_parameters, {len(ad.params)} in all): Tunix's experts are "
+                "raw parameters that qwix puts no LoRA on; merge the adapter into the base instead (ckptbridge merge)")
         plans = {m: _plan_module(ad, m, kv) for m in b.modules if any(n in ad.keys for n in m.hf_modules)}
         cache: dict = {}
         errors: dict[str, float] = {}

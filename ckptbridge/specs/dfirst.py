@@ -17,10 +17,13 @@ from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import UnsupportedError
-from ckptbridge.specs.base import TensorRule, TunixModel
+from ckptbridge.specs.base import PeftParam, TensorRule, TunixModel
 
 R = TensorRule
 AXES = ("v", "d", "n", "h", "k", "f")
+# transformers' fused expert parameters, which PEFT targets with target_parameters
+EXPERT_PARAMS = (PeftParam("mlp.experts.gate_up_proj", ("experts_gate", "experts_up")),
+                 PeftParam("mlp.experts.down_proj", ("experts_down",)))
 
 
 def rules(*, qk_norm: bool = False, qkv_bias: bool = False, moe: bool = False) -> tuple[TensorRule, ...]:

@@ -60,8 +60,8 @@ VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_s
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
-# and E = 5 experts of width M = 20, 2 per token
-MOE_DIMS: dict[str, Any] = dict(num_experts=5, moe_intermediate_size=20, num_experts_per_tok=2, norm_topk_prob=True)
+# and E = 5 experts of width M = 28, 2 per token (transformers' grouped matmul wants rows of 16 bytes)
+MOE_DIMS: dict[str, Any] = dict(num_experts=5, moe_intermediate_size=28, num_experts_per_tok=2, norm_topk_prob=True)
 # HF configs of tiny random models (theta 1e6, the value Tunix computes with; untied head)
 TINY = {"qwen3": dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope_theta=TUNIX_ROPE_THETA),
         "qwen3_moe": dfirst.tiny_config("qwen3_moe", "Qwen3MoeForCausalLM", {**TINY_DIMS, **MOE_DIMS},
@@ -87,4 +87,5 @@ QWEN3 = FamilySpec(
     tunix=TUNIX,
     tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
+    peft_params=dfirst.EXPERT_PARAMS,
 )
