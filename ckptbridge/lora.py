@@ -587,18 +587,20 @@ def _param_entries(base: Base) -> dict[str, tuple[mapping.Entry, ...]]:
 
 def _param_modules(base: Base, cfg: dict) -> dict[str, str]:
     """PEFT module names of target_parameters factors -> the parameter they belong to. PEFT wraps
-    a module once per targeted parameter, in ``target_parameters`` order, the first innermost:
-    with two, the first's factors are under ``<module>.base_layer``, the second's under ``<module>``."""
+    a module once per targeted parameter, in the module's parameter order (the order of the
+    spec's ``peft_params``), the first innermost: with two, the first's factors are under
+    ``<module>.base_layer``, the second's under ``<module>``."""
     targets = cfg.get("target_parameters") or []
     if not isinstance(targets, list):
         return {}
+    order = [p.name for p in base.spec.peft_params]
     by_module: dict[str, list[str]] = {}
     for name in _param_entries(base):
         if any(name == t or name.endswith("." + t) for t in targets):
             by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)
     out = {}
     for module, names in by_module.items():
-        names.sort(key=lambda n: next(i for i, t in enumerate(targets) if n == t or n.endswith("." + t)))
+        names.sort(key=lambda n: next(i for i, p in enumerate(order) if n.endswith("." + p)))
         for depth, name in enumerate(reversed(names)):
             out[module + ".base_layer" * depth] = name
     return out

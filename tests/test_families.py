@@ -251,7 +251,7 @@ def test_expert_lora_merges_and_is_refused_by_peft_to_orbax(models, tmp_path):
     base = models["qwen3_moe"]
     peft_dir = build_peft_adapter(base, str(tmp_path / "peft"), r=2, lora_alpha=6, seed=4, scale=1.0,
                                   target_modules=["q_proj", "o_proj"],
-                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+                                  target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
     r = merge_lora(base, peft_dir, str(tmp_path / "merged"), progress=False)
     cfg = open_base(base).cfg
     assert r["merged_tensors"] == cfg.num_layers * (3 * cfg.sizes["e"] + 2)
