@@ -34,7 +34,7 @@ def test_global_without_k_eq_v_uses_global_head_dim_and_plain_kv_heads():
     g = cfg.layers[5]
     # transformers applies num_global_key_value_heads only to k_eq_v layers
     assert (g.head_dim, g.num_kv_heads, g.flags["k_eq_v"]) == (20, 2, False)
-    assert g.flags == {"k_eq_v": False, "kv_fused": True, "global": True}
+    assert g.flags == {"k_eq_v": False, "kv_fused": True, "global": True, "moe": False}
 
 
 def test_model_types_agree():
@@ -70,7 +70,6 @@ def test_defaults_follow_transformers():
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ({"enable_moe_block": True}, "enable_moe_block"),
         ({"hidden_size_per_layer_input": 256}, "per-layer embeddings"),
         ({"num_kv_shared_layers": 4}, "kv-shared"),
     ],
@@ -78,6 +77,13 @@ def test_defaults_follow_transformers():
 def test_unsupported_variants_are_named(override, needle):
     with pytest.raises(UnsupportedError, match=needle):
         parse_config(text(**override))
+
+
+def test_moe_needs_its_sizes():
+    with pytest.raises(ConfigError, match="num_experts"):
+        parse_config(text(enable_moe_block=True))
+    cfg = parse_config(text(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8))
+    assert cfg.sizes["e"] == 4 and all(layer.flags["moe"] for layer in cfg.layers)
 
 
 def test_unknown_model_type():

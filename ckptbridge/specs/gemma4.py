@@ -37,6 +37,17 @@ RULES: tuple[TensorRule, ...] = (
       when="k_eq_v", lora="k_einsum", vllm_lora_aliases=("self_attn.v_proj.weight",)),
     G.O, *G.QK_NORMS, *G.MLP, *G.sandwich_norms("post_attention_norm"),
     R("layer_scalar", ("layer_scalar",), "one", "skip_scale", "one"),
+    # MoE block (26B-A4B), beside the dense MLP on every layer: HF stores each layer's experts in
+    # one tensor (gate and up along the output axis); Tunix's are raw parameters (no LoRA)
+    R("router", ("router.proj.weight",), "e d", "moe.router_logits", "d e", when="moe"),
+    R("router_scale", ("router.scale",), "d", "moe.router_scale", "d", when="moe"),
+    R("expert_scale", ("router.per_expert_scale",), "e", "moe.per_expert_scale", "e", when="moe"),
+    R("experts_gate_up", ("experts.gate_up_proj",), "e (g m) d", "moe.gating_einsum", "e g m d", when="moe"),
+    R("experts_down", ("experts.down_proj",), "e d m", "moe.linear", "e m d", when="moe"),
+    R("moe_pre_ffw_norm", ("pre_feedforward_layernorm_2.weight",), "d", "moe_pre_ffw_norm.scale", "d", when="moe"),
+    R("dense_post_ffw_norm", ("post_feedforward_layernorm_1.weight",), "d", "dense_post_ffw_norm.scale", "d",
+      when="moe"),
+    R("moe_post_ffw_norm", ("post_feedforward_layernorm_2.weight",), "d", "moe_post_ffw_norm.scale", "d", when="moe"),
 )
 
 # transformers' Gemma4TextConfig defaults.
@@ -88,8 +99,6 @@ def _text_config(hf_config: dict, where: str) -> tuple[dict, tuple[str, ...], bo
 
 def _refuse_variants(get, w: str) -> None:
     unsupported = []
-    if get("enable_moe_block"):
-        unsupported.append("enable_moe_block (MoE, e.g. 26B-A4B)")
     if get("hidden_size_per_layer_input"):
         unsupported.append("hidden_size_per_layer_input > 0 (per-layer embeddings, E2B/E4B)")
     if get("num_kv_shared_layers"):
@@ -109,9 +118,10 @@ def _refuse_variants(get, w: str) -> None:
 
 def _layer(i: int, attention: str, head_dim: int, kv_heads: int, k_eq_v: bool, sizes: dict) -> LayerConfig:
     is_global = attention == FULL
+    moe = "e" in sizes
     kind = ("global (k_eq_v)" if k_eq_v else "global") if is_global else "sliding"
-    return LayerConfig(i, attention, head_dim, kv_heads, kind,
-                       flags={"k_eq_v": k_eq_v, "kv_fused": not k_eq_v, "global": is_global},
+    return LayerConfig(i, attention, head_dim, kv_heads, kind + (" + moe" if moe else ""),
+                       flags={"k_eq_v": k_eq_v, "kv_fused": not k_eq_v, "global": is_global, "moe": moe},
                        sizes={**sizes, "h": head_dim, "k": kv_heads})
 
 
@@ -163,6 +173,10 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     hidden = int_field(text, "hidden_size", w, TEXT_DEFAULTS)
     mlp = int_field(text, "intermediate_size", w, TEXT_DEFAULTS)
     sizes = {"v": vocab, "d": hidden, "n": num_heads, "f": mlp, "c": 2, "one": 1}
+    moe = None
+    if get("enable_moe_block"):  # every layer, as transformers
+        moe = {"num_experts": int_field(text, "num_experts", w), "top_k": int_field(text, "top_k_experts", w)}
+        sizes.update(e=moe["num_experts"], m=int_field(text, "moe_intermediate_size", w), g=2)
     layers, dialect = _layers(text, types, w, sizes)
     check_heads(layers, num_heads, w)
     model_type = hf_config["model_type"]
@@ -186,6 +200,7 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
             "rope": text.get("rope_parameters") or DEFAULT_ROPE,
             "final_logit_softcapping": get("final_logit_softcapping"),
             "hidden_activation": str(get("hidden_activation")),
+            "moe": moe,
         },
         hf_config=hf_config,
     )
@@ -220,6 +235,9 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix Gemma 4 uses {TUNIX_RMS_EPS})")
     if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
         problems.append(f"hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
+    if cfg.extras.get("moe"):
+        problems.append("enable_moe_block (Tunix 0.1.7's router reads moe_pre_ffw_norm(x), transformers' the "
+                        "residual x itself)")
     return problems
 
 
@@ -252,6 +270,9 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
         global_key_size=glob.head_dim,
         k_eq_v_global=any(layer.flags["k_eq_v"] for layer in global_),
         final_logit_softcap=cfg.extras["final_logit_softcapping"],
+        **(dict(enable_moe=True, num_experts=cfg.extras["moe"]["num_experts"],
+                num_experts_per_tok=cfg.extras["moe"]["top_k"], expert_dim=cfg.sizes["m"])
+           if cfg.extras.get("moe") else {}),
         sliding_window_size=cfg.sliding_window,
         attention_pattern=tuple(
             gm.AttentionType.GLOBAL if layer.is_global else gm.AttentionType.LOCAL_SLIDING for layer in cfg.layers
@@ -342,8 +363,8 @@ GEMMA4 = FamilySpec(
     key_prefixes=("model.language_model.", "model."),
     default_prefixes=DEFAULT_PREFIXES,
     parse_config=parse_config,
-    axes=("v", "d", "n", "h", "k", "f"),
-    layer_flags=("k_eq_v", "kv_fused", "global"),
+    axes=("v", "d", "n", "h", "k", "f", "e", "m", "g"),
+    layer_flags=("k_eq_v", "kv_fused", "global", "moe"),
     foreign_prefixes=(
         "model.vision_tower.",
         "model.audio_tower.",
