@@ -22,7 +22,7 @@ from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.safetensors import PlannedTensor, write_file
 from ckptbridge.lora import LoraModule, Scaling
-from ckptbridge.metadata import KEY, LoraRules, Metadata
+from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_version
 from ckptbridge.progress import Progress
 from ckptbridge.sources import Base, open_base
 from ckptbridge.tunix_model import note_mismatch
@@ -300,6 +300,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         meta = {KEY: Metadata(
             kind="lora", family=b.spec.name, lora=LoraRules(rules, float(ad.config.get("lora_dropout") or 0.0)),
             base=os.path.abspath(b.path), key_prefix=b.prefix, source=os.path.abspath(src), kv=kv,
+            tunix_version=installed_tunix_version(),
         ).to_json()}
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "peft -> orbax", enabled=progress)

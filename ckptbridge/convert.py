@@ -19,7 +19,7 @@ from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, copy_assets, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, parse_size
-from ckptbridge.metadata import KEY, Metadata
+from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.progress import Progress
 from ckptbridge.sources import ASSETS_DIR, HFSource, open_hf_source, open_orbax_source
 from ckptbridge.tunix_model import note_mismatch
@@ -32,7 +32,7 @@ def _metadata(source: HFSource, kind: str, assets: list[str]) -> dict:
     return {KEY: Metadata(
         kind=kind, family=source.spec.name, hf_config=source.model.config, key_prefix=source.prefix,
         config_dialect=source.cfg.extras.get("dialect"), towers_dropped=len(source.tower_keys), assets=assets,
-        source=os.path.abspath(source.model.path),
+        source=os.path.abspath(source.model.path), tunix_version=installed_tunix_version(),
     ).to_json()}
 
 

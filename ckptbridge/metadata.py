@@ -44,6 +44,8 @@ class Metadata:
       kv: how fused modules were made from separate PEFT modules (``exact`` / ``svd``).
       target: what a PEFT export was made for (``hf`` / ``vllm``).
       step, tokens_seen, data_state: training progress (training checkpoints).
+      tunix_version: the google-tunix version installed where an Orbax checkpoint was written
+        (layouts and computations differ between Tunix versions).
       other: fields this version does not know, kept as they are.
     """
 
@@ -63,6 +65,7 @@ class Metadata:
     step: int | None = None
     tokens_seen: int | None = None
     data_state: Any = None
+    tunix_version: str | None = None
     other: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -83,7 +86,7 @@ class Metadata:
             return cls(format_version=None)
         types = {"kind": str, "family": str, "format_version": int, "hf_config": dict, "key_prefix": str,
                  "config_dialect": str, "towers_dropped": int, "assets": list, "source": str, "base": str,
-                 "kv": str, "target": str, "step": int, "tokens_seen": int}
+                 "kv": str, "target": str, "step": int, "tokens_seen": int, "tunix_version": str}
         values: dict[str, Any] = {}
         other = {}
         for key, value in obj.items():
@@ -101,3 +104,13 @@ class Metadata:
                 other[key] = value
         values.setdefault("format_version", None)
         return cls(**values, other=other)
+
+
+def installed_tunix_version() -> str | None:
+    """The installed google-tunix version (None where Tunix is not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("google-tunix")
+    except metadata.PackageNotFoundError:
+        return None

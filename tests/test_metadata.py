@@ -17,3 +17,18 @@ def test_tolerant_reading():
     assert (m.kind, m.family, m.lora, m.step) == (None, "gemma4", None, None)  # wrong types read as absent
     assert m.other == {"future": 1} and m.to_json()["future"] == 1  # unknown fields kept
     assert Metadata.from_json(None).to_json() == {} and Metadata.from_json("not json").to_json() == {}
+
+
+def test_orbax_outputs_record_the_tunix_version(tmp_path):
+    """Layouts and computations differ between Tunix versions: an Orbax checkpoint says which one
+    was installed where it was written."""
+    from importlib.metadata import version
+
+    from ckptbridge.convert import convert_safetensors_to_orbax
+    from ckptbridge.io.orbax import OrbaxCheckpoint
+    from ckptbridge.testing import build_checkpoint
+
+    src = build_checkpoint(str(tmp_path / "hf"), family="qwen3", tokenizer=False)
+    convert_safetensors_to_orbax(src, str(tmp_path / "orbax"), progress=False)
+    with OrbaxCheckpoint(str(tmp_path / "orbax")) as ckpt:
+        assert ckpt.metadata.tunix_version == version("google-tunix")

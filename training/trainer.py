@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ckptbridge.metadata import KEY, LoraRules, Metadata
+from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_version
 from training import data as data_lib
 from training.config import TrainConfig
 
@@ -173,7 +173,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         return {KEY: Metadata(
             kind="lora", family=base_info.spec.name, lora=LoraRules(lora_rules, cfg.dropout),
             base=os.path.abspath(base), key_prefix=base_info.prefix, step=step, tokens_seen=tokens_seen,
-            data_state=iterator.get_state(),
+            data_state=iterator.get_state(), tunix_version=installed_tunix_version(),
         ).to_json()}
 
     bar = _progress(total_steps, step, progress)
