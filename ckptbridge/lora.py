@@ -127,7 +127,7 @@ class LoraModule:
 
 
 def lora_modules(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[LoraModule]:
-    return [LoraModule(e) for e in mapping.entries(cfg, spec, prefix) if e.rule.lora]
+    return [LoraModule(e) for e in mapping.entries(cfg, spec, prefix) if e.rule.lora and e.hf_keys]
 
 
 def tunix_to_peft(mod: LoraModule, a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -24,6 +24,7 @@ class Entry:
     hf_keys: tuple[str, ...]
     tunix_path: Path
     sizes: dict
+    absent_keys: tuple[str, ...] = ()  # HF keys of a row HF does not have here (``hf_absent``)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -45,7 +46,8 @@ class Entry:
     @property
     def key_prefix(self) -> str:
         """The HF key prefix of this entry (up to and including ``layers.{i}.``; empty for absolute keys)."""
-        return self.hf_keys[0][: len(self.hf_keys[0]) - len(self.rule.suffixes(self.sizes)[0])]
+        key = (self.hf_keys or self.absent_keys)[0]
+        return key[: len(key) - len(self.rule.suffixes(self.sizes)[0])]
 
 
 def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
@@ -64,7 +66,11 @@ def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
         for r in layer_rules:
             if r.applies(flags):
                 keys = tuple(f"{prefix}layers.{layer.index}.{k}" for k in r.suffixes(sizes))
-                out.append(Entry(r, layer, keys, ("layers", str(layer.index), *r.tunix.split(".")), sizes))
+                path = ("layers", str(layer.index), *r.tunix.split("."))
+                if r.hf_absent is not None and flags[r.hf_absent]:
+                    out.append(Entry(r, layer, (), path, sizes, absent_keys=keys))
+                else:
+                    out.append(Entry(r, layer, keys, path, sizes))
     return out
 
 

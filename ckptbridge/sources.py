@@ -63,10 +63,13 @@ class HFSource:
         return [self.model.array(k) for k in entry.hf_keys]
 
     def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
+        if not entry.hf_keys:  # a parameter Tunix keeps unused where HF has none (``hf_absent``)
+            return np.zeros(entry.tunix_shape, self.dtype(entry))
         return mapping.hf_to_tunix(entry, self.arrays(entry))
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
-        return numpy_dtype(self.model.info(entry.hf_keys[0]).dtype)
+        keys = entry.hf_keys or next(e.hf_keys for e in self.entries if e.hf_keys)
+        return numpy_dtype(self.model.info(keys[0]).dtype)
 
     def close(self) -> None:
         self.model.close()
@@ -121,12 +124,13 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
     ents = mapping.entries(cfg, spec, prefix)
     expected = {k: e for e in ents for k in e.hf_keys}
     tied = [k for k in text_keys if k in spec.tied_keys and k not in expected]
+    absent = {k for e in ents for k in e.absent_keys}  # present in older writers' files; unused
     if tied and not cfg.tie_word_embeddings:
         raise UnsupportedError(
             f"{model.file_of(tied[0]).path}: {tied[0]} is untied from the embedding "
             f"(tie_word_embeddings false); Tunix's {spec.name} ties the output head to the embedding"
         )
-    unknown = sorted(text_keys - set(expected) - set(tied))
+    unknown = sorted(text_keys - set(expected) - set(tied) - absent)
     if unknown:
         raise MismatchError(
             f"{model.file_of(unknown[0]).path}: unexpected tensor {unknown[0]!r}{more(unknown)}: not part of the "
@@ -146,7 +150,7 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
             )
     for entry in ents:
         dts = {model.info(k).dtype for k in entry.hf_keys}
-        if len(dts) > 1:
+        if len(dts) > 1:  # (none for hf_absent rows)
             raise MismatchError(
                 f"{model.path}: {' and '.join(entry.hf_keys)} have different dtypes {sorted(dts)}; "
                 "they are fused into one Tunix parameter and must match"

@@ -34,7 +34,7 @@ def test_global_without_k_eq_v_uses_global_head_dim_and_plain_kv_heads():
     g = cfg.layers[5]
     # transformers applies num_global_key_value_heads only to k_eq_v layers
     assert (g.head_dim, g.num_kv_heads, g.flags["k_eq_v"]) == (20, 2, False)
-    assert g.flags == {"k_eq_v": False, "kv_fused": True, "global": True, "moe": False}
+    assert g.flags == {"k_eq_v": False, "kv_fused": True, "global": True, "moe": False, "kv_shared": False}
 
 
 def test_model_types_agree():
@@ -70,13 +70,26 @@ def test_defaults_follow_transformers():
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ({"hidden_size_per_layer_input": 256}, "per-layer embeddings"),
-        ({"num_kv_shared_layers": 4}, "kv-shared"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ],
 )
 def test_unsupported_variants_are_named(override, needle):
     with pytest.raises(UnsupportedError, match=needle):
         parse_config(text(**override))
+
+
+def test_per_layer_embeddings_and_kv_shared_layers():
+    """E2B-style: per-layer embeddings on by transformers' default (P 256), the last layers kv-shared
+    (no k/v rows in HF) with a double-wide MLP."""
+    hf = text(num_kv_shared_layers=2, use_double_wide_mlp=True)
+    del hf["hidden_size_per_layer_input"]
+    cfg = parse_config(hf)
+    assert cfg.flags["ple"] and (cfg.sizes["l"], cfg.sizes["p"], cfg.sizes["u"]) == (12, 256, 262_144)
+    assert [layer.flags["kv_shared"] for layer in cfg.layers] == [False] * 10 + [True] * 2
+    assert [cfg.layer_sizes(layer)["f"] for layer in cfg.layers] == [56] * 10 + [112] * 2
+    with pytest.raises(ConfigError, match="num_kv_shared_layers 12"):
+        parse_config(text(num_kv_shared_layers=12))
 
 
 def test_moe_needs_its_sizes():

@@ -47,6 +47,10 @@ class TensorRule:
       stack: an axis letter: the one suffix of ``hf`` is a template with ``{<letter>}`` in it (one HF
         key per index, as ``mlp.experts.{e}.gate_proj.weight``), and the HF tensors are stacked
         along that axis on the Tunix side (an expert axis). Such tensors are never LoRA targets.
+      hf_absent: a layer flag under which HF has no such tensor while Tunix keeps the parameter,
+        unused (Gemma 4's kv-shared layers: no k/v of their own). From HF it is filled with
+        zeros; it is not written back; an HF file that carries it anyway (older writers) has it
+        ignored, as transformers does.
     """
 
     name: str
@@ -60,6 +64,7 @@ class TensorRule:
     lora: str | None = None
     vllm_lora_aliases: tuple[str, ...] = ()
     stack: str | None = None
+    hf_absent: str | None = None
 
     def applies(self, flags: Mapping[str, bool]) -> bool:
         return self.when is None or bool(flags[self.when])
@@ -179,6 +184,8 @@ class FamilySpec:
             flags = self.layer_flags + self.model_flags if r.scope == "layer" else self.model_flags
             if r.when is not None and r.when not in flags:
                 raise ValueError(f"{where}: when={r.when!r} is not one of the family's flags {flags}")
+            if r.hf_absent is not None and (r.scope != "layer" or r.hf_absent not in self.layer_flags):
+                raise ValueError(f"{where}: hf_absent={r.hf_absent!r} must be a layer flag of a layer row")
             if r.absolute and r.scope != "model":
                 raise ValueError(f"{where}: only model tensors can have absolute keys")
             for lay in (r.hf_layout, r.tunix_layout):

@@ -20,6 +20,7 @@ Defaults are transformers' own, so a config means here what it means to transfor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
@@ -29,14 +30,31 @@ from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
 
 R = TensorRule
 
+SHARED = "kv_shared"  # kv-shared layers: no k/v/k_norm in HF; Tunix keeps them, unused
 RULES: tuple[TensorRule, ...] = (
-    G.EMBED, G.FINAL_NORM, G.q(), G.kv("kv_fused"),
+    G.EMBED, G.FINAL_NORM,
+    # per-layer embeddings (E2B/E4B): model tensors with a layer axis l, P-wide (p); the table
+    # has its own vocabulary size (u)
+    R("ple_embed", ("embed_tokens_per_layer.weight",), "u (l p)", "embedder.per_layer_input_embedding", "u l p",
+      scope="model", when="ple"),
+    R("ple_projection", ("per_layer_model_projection.weight",), "(l p) d", "embedder.per_layer_model_projection.w",
+      "d l p", scope="model", when="ple"),
+    R("ple_norm", ("per_layer_projection_norm.weight",), "p", "embedder.per_layer_projection_norm.scale", "p",
+      scope="model", when="ple"),
+    G.q(), dataclasses.replace(G.kv("kv_fused"), hf_absent=SHARED),
     # On k_eq_v layers V is the raw K projection; vLLM computes V with its own LoRA slot, so a
     # vLLM-bound adapter repeats the k_proj factors as v_proj.
     R("k", ("self_attn.k_proj.weight",), "(k h) d", "attn.k_einsum.w", "k d h",
-      when="k_eq_v", lora="k_einsum", vllm_lora_aliases=("self_attn.v_proj.weight",)),
-    G.O, *G.QK_NORMS, *G.MLP, *G.sandwich_norms("post_attention_norm"),
+      when="k_eq_v", lora="k_einsum", vllm_lora_aliases=("self_attn.v_proj.weight",), hf_absent=SHARED),
+    G.O, G.QK_NORMS[0], dataclasses.replace(G.QK_NORMS[1], hf_absent=SHARED), *G.MLP,
+    *G.sandwich_norms("post_attention_norm"),
     R("layer_scalar", ("layer_scalar",), "one", "skip_scale", "one"),
+    R("ple_gate", ("per_layer_input_gate.weight",), "p d", "per_layer_input_gate.w", "d p", when="ple",
+      lora="per_layer_input_gate"),
+    R("ple_proj", ("per_layer_projection.weight",), "d p", "per_layer_projection.w", "p d", when="ple",
+      lora="per_layer_projection"),
+    R("ple_post_norm", ("post_per_layer_input_norm.weight",), "d", "post_per_layer_input_norm.scale", "d",
+      when="ple"),
     # MoE block (26B-A4B), beside the dense MLP on every layer: HF stores each layer's experts in
     # one tensor (gate and up along the output axis); Tunix's are raw parameters (no LoRA)
     R("router", ("router.proj.weight",), "e d", "moe.router_logits", "d e", when="moe"),
@@ -67,6 +85,7 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "final_logit_softcapping": None,
     "use_bidirectional_attention": None,
     "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262_144,
     "num_global_key_value_heads": None,
     "global_head_dim": 512,
     "attention_k_eq_v": False,
@@ -99,20 +118,13 @@ def _text_config(hf_config: dict, where: str) -> tuple[dict, tuple[str, ...], bo
 
 def _refuse_variants(get, w: str) -> None:
     unsupported = []
-    if get("hidden_size_per_layer_input"):
-        unsupported.append("hidden_size_per_layer_input > 0 (per-layer embeddings, E2B/E4B)")
-    if get("num_kv_shared_layers"):
-        unsupported.append("num_kv_shared_layers > 0 (kv-shared layers, E2B/E4B)")
-    if get("use_double_wide_mlp"):
-        unsupported.append("use_double_wide_mlp")
     if get("attention_bias"):
         unsupported.append("attention_bias")
     if get("use_bidirectional_attention") == "all":
         unsupported.append("use_bidirectional_attention='all'")
     if unsupported:
         raise UnsupportedError(
-            f"{w}: {', '.join(unsupported)} not supported; ckptbridge handles the dense Gemma 4 text "
-            "model (31B-style); set hidden_size_per_layer_input: 0 if the model has no per-layer embeddings"
+            f"{w}: {', '.join(unsupported)} not supported (Gemma 4 has no such variant in transformers or Tunix)"
         )
 
 
@@ -121,8 +133,23 @@ def _layer(i: int, attention: str, head_dim: int, kv_heads: int, k_eq_v: bool, s
     moe = "e" in sizes
     kind = ("global (k_eq_v)" if k_eq_v else "global") if is_global else "sliding"
     return LayerConfig(i, attention, head_dim, kv_heads, kind + (" + moe" if moe else ""),
-                       flags={"k_eq_v": k_eq_v, "kv_fused": not k_eq_v, "global": is_global, "moe": moe},
+                       flags={"k_eq_v": k_eq_v, "kv_fused": not k_eq_v, "global": is_global, "moe": moe,
+                              SHARED: False},
                        sizes={**sizes, "h": head_dim, "k": kv_heads})
+
+
+def _share(layers: list[LayerConfig], shared: int, double_wide: bool, mlp: int) -> list[LayerConfig]:
+    """The last ``shared`` layers take K/V from earlier layers (no k/v of their own); with
+    ``use_double_wide_mlp`` their MLP is twice as wide."""
+    out = []
+    for layer in layers:
+        if layer.index < len(layers) - shared:
+            out.append(layer)
+            continue
+        sizes = {**layer.sizes, "f": 2 * mlp} if double_wide else layer.sizes
+        out.append(dataclasses.replace(layer, kind=f"{layer.kind} (kv-shared)", flags={**layer.flags, SHARED: True},
+                                       sizes=sizes))
+    return out
 
 
 def _layers(text: dict, types: list[str], w: str, sizes: dict) -> tuple[list[LayerConfig], str]:
@@ -177,7 +204,14 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     if get("enable_moe_block"):  # every layer, as transformers
         moe = {"num_experts": int_field(text, "num_experts", w), "top_k": int_field(text, "top_k_experts", w)}
         sizes.update(e=moe["num_experts"], m=int_field(text, "moe_intermediate_size", w), g=2)
+    ple = int(get("hidden_size_per_layer_input") or 0)
+    if ple:
+        sizes.update(l=num_layers, p=ple, u=int_field(text, "vocab_size_per_layer_input", w, TEXT_DEFAULTS))
     layers, dialect = _layers(text, types, w, sizes)
+    shared = int(get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < num_layers:
+        raise ConfigError(f"{w}: num_kv_shared_layers {shared} must be below num_hidden_layers {num_layers}")
+    layers = _share(layers, shared, bool(get("use_double_wide_mlp")), mlp)
     check_heads(layers, num_heads, w)
     model_type = hf_config["model_type"]
     return ModelConfig(
@@ -194,8 +228,9 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
         key_prefix=DEFAULT_PREFIXES[model_type],
         towers=towers,
         sizes=sizes,
-        flags={},
+        flags={"ple": bool(ple)},
         extras={
+            "kv_shared_layers": shared,
             "dialect": dialect,
             "rope": text.get("rope_parameters") or DEFAULT_ROPE,
             "final_logit_softcapping": get("final_logit_softcapping"),
@@ -238,7 +273,33 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     if cfg.extras.get("moe"):
         problems.append("enable_moe_block (Tunix 0.1.7's router reads moe_pre_ffw_norm(x), transformers' the "
                         "residual x itself)")
+    wrong = [i for i, (ours, theirs) in enumerate(zip(_kv_sources(cfg), _tunix_kv_sources(cfg))) if ours != theirs]
+    if wrong:
+        problems.append(f"num_kv_shared_layers {cfg.extras['kv_shared_layers']} with this layer pattern (Tunix "
+                        f"shares layers {wrong} from other layers than transformers: the last unshared global "
+                        "and the one before it)")
     return problems
+
+
+def _kv_sources(cfg: ModelConfig) -> list[int]:
+    """The layer whose K/V each layer uses, as transformers computes it: kv-shared layers use the
+    last unshared layer of their attention type."""
+    unshared = cfg.num_layers - cfg.extras["kv_shared_layers"]
+    out = []
+    for layer in cfg.layers:
+        if layer.index < unshared:
+            out.append(layer.index)
+        else:
+            same = [x.index for x in cfg.layers[:unshared] if x.attention == layer.attention]
+            out.append(same[-1] if same else layer.index)
+    return out
+
+
+def _tunix_kv_sources(cfg: ModelConfig) -> list[int]:
+    """The same as Tunix 0.1.7 computes it: the last unshared layer for global layers, the one
+    before it for sliding layers, whatever their types."""
+    unshared = cfg.num_layers - cfg.extras["kv_shared_layers"]
+    return [layer.index if layer.index < unshared else unshared - (1 if layer.is_global else 2) for layer in cfg.layers]
 
 
 def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
@@ -254,6 +315,13 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
             raise UnsupportedError(
                 f"config.json: {what} layers differ in head_dim/kv heads; Tunix has one setting per layer kind"
             )
+    if cfg.flags["ple"] and cfg.sizes["u"] != cfg.vocab_size:
+        raise UnsupportedError(f"config.json: vocab_size_per_layer_input {cfg.sizes['u']} differs from vocab_size "
+                               f"{cfg.vocab_size}; Tunix's per-layer embedding table has vocab_size rows")
+    shared = cfg.extras["kv_shared_layers"]
+    frac = shared / cfg.num_layers
+    if int(cfg.num_layers - frac * cfg.num_layers) != cfg.num_layers - shared:  # Tunix truncates L - frac * L
+        frac = (shared - 0.5) / cfg.num_layers
     base = (sliding or global_)[0]
     glob = global_[0] if global_ else base
     local_freq, local_prop, local_scale = _rope(cfg, SLIDING, "default")
@@ -270,6 +338,10 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
         global_key_size=glob.head_dim,
         k_eq_v_global=any(layer.flags["k_eq_v"] for layer in global_),
         final_logit_softcap=cfg.extras["final_logit_softcapping"],
+        per_layer_input_dim=cfg.sizes["p"] if cfg.flags["ple"] else 0,
+        frac_shared_layers=frac,
+        override_kv_shared_ffw_hidden=(cfg.layers[-1].sizes["f"] if shared and cfg.layers[-1].sizes["f"]
+                                       != cfg.intermediate_size else None),
         **(dict(enable_moe=True, num_experts=cfg.extras["moe"]["num_experts"],
                 num_experts_per_tok=cfg.extras["moe"]["top_k"], expert_dim=cfg.sizes["m"])
            if cfg.extras.get("moe") else {}),
@@ -363,8 +435,9 @@ GEMMA4 = FamilySpec(
     key_prefixes=("model.language_model.", "model."),
     default_prefixes=DEFAULT_PREFIXES,
     parse_config=parse_config,
-    axes=("v", "d", "n", "h", "k", "f", "e", "m", "g"),
-    layer_flags=("k_eq_v", "kv_fused", "global", "moe"),
+    axes=("v", "d", "n", "h", "k", "f", "e", "m", "g", "l", "p", "u"),
+    layer_flags=("k_eq_v", "kv_fused", "global", "moe", SHARED),
+    model_flags=("ple",),
     foreign_prefixes=(
         "model.vision_tower.",
         "model.audio_tower.",
