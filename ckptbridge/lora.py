@@ -486,6 +486,15 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
     keys: dict[str, list] = {}
     param_keys: dict[str, list] = {}
     param_modules = _param_modules(base, cfg)
+    targets = cfg.get("target_parameters") or []
+    known_params = [p.name for p in base.spec.peft_params]
+    unmatched = [t for t in (targets if isinstance(targets, list) else [targets])
+                 if not any(str(t) == p or p.endswith("." + str(t)) or str(t).endswith("." + p) for p in known_params)]
+    if unmatched:
+        raise UnsupportedError(
+            f"{os.path.join(src, ADAPTER_CONFIG)}: target_parameters {unmatched}: "
+            + (f"ckptbridge takes parameter LoRA on a {base.spec.name} base only on {known_params}" if known_params
+               else f"ckptbridge takes no parameter LoRA on a {base.spec.name} base, only LoRA on modules"))
     for key in f.keys():
         m = _PEFT_KEY.match(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else "")
         if not m or m.group("adapter") not in (None, "default"):
