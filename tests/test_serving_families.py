@@ -24,6 +24,11 @@ FAMILIES = {
     "llama3": dict(family="llama3"),
     "gemma": dict(family="gemma", num_key_value_heads=2),  # N == K: one qkv_einsum LoRA exported to q/k/v
     "gemma2": dict(family="gemma2"),  # softcaps, sliding window
+    # Gemma 4 E2B-shaped: per-layer embeddings (LoRA on their gate and projection too), 2 kv-shared layers
+    "gemma4_e2b": dict(family="gemma4", prefix="model.", attention_k_eq_v=False, hidden_size_per_layer_input=16,
+                       vocab_size_per_layer_input=512, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                       layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
+                                                                "full_attention"]),
 }
 
 
