@@ -1,12 +1,15 @@
 """Peak resident memory of conversions and merge vs the number of layers (same width).
 
-Builds two bf16 Gemma 4 checkpoints of the same width with 4 and 16 layers (and a rank-16
-adapter on every LoRA-able module of each), converts each HF -> Orbax -> HF and merges the
-adapter, each in a fresh process, and prints peak RSS (and the RSS of a process that only
-imports the same modules) next to the checkpoint size. Streaming means the peak should stay
-flat while the checkpoint grows 4x.
+Builds two bf16 checkpoints of the same width with 4 and 16 layers (and a rank-16 adapter on
+every LoRA-able module of each), converts each HF -> Orbax -> HF and merges the adapter, each
+in a fresh process, and prints peak RSS (and the RSS of a process that only imports the same
+modules) next to the checkpoint size. Streaming means the peak should stay flat while the
+checkpoint grows 4x. ``--model``: the dense Gemma 4 (default), or an expert-heavy model, Qwen 3
+MoE (16 experts per layer, one HF key each, stacked into one Tunix tensor per projection) or
+Gemma 4 MoE (one HF tensor per layer's experts), whose layers are mostly experts.
 
-    .venv/bin/python benchmarks/memory_vs_layers.py [--layers 4 16] [--width 1024] [--out FILE] [--max-growth 0.6]
+    .venv/bin/python benchmarks/memory_vs_layers.py [--model gemma4|qwen3_moe|gemma4_moe] [--layers 4 16]
+        [--width 1024] [--out FILE] [--max-growth 0.6]
 """
 
 from __future__ import annotations
@@ -40,6 +43,23 @@ print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": hwm / 1024}
 """
 
 
+def _gemma4(d: int) -> dict:
+    return dict(vocab_size=8 * d, hidden_size=d, intermediate_size=4 * d, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=d // 8, global_head_dim=d // 4, num_global_key_value_heads=2,
+                sliding_window=128)
+
+
+MODELS = {
+    "gemma4": _gemma4,
+    # experts: 3 x 16 x (D/2 x D) = 24 D^2 per layer, against about 3 D^2 of attention
+    "qwen3_moe": lambda d: dict(family="qwen3", model_type="qwen3_moe", vocab_size=8 * d, hidden_size=d,
+                                intermediate_size=4 * d, num_attention_heads=8, num_key_value_heads=4, head_dim=d // 8,
+                                num_experts=16, num_experts_per_tok=2, moe_intermediate_size=d // 2),
+    "gemma4_moe": lambda d: dict(_gemma4(d), intermediate_size=d, enable_moe_block=True, num_experts=16,
+                                 top_k_experts=2, moe_intermediate_size=d // 2),
+}
+
+
 def measure(what: str, src: str, dst: str, *extra: str) -> dict:
     out = subprocess.run([sys.executable, "-c", DRIVER, what, src, dst, *extra], check=True, capture_output=True,
                          text=True)
@@ -53,6 +73,7 @@ def dir_bytes(path: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--model", choices=sorted(MODELS), default="gemma4", help="model shape (default gemma4)")
     ap.add_argument("--width", type=int, default=1024, help="hidden size D (MLP 4 D, 8 heads)")
     ap.add_argument("--out", help="write results JSON here")
     ap.add_argument("--max-growth", type=float,
@@ -62,9 +83,7 @@ def main() -> None:
     from ckptbridge.testing import write_random_adapter, write_random_checkpoint
 
     d = args.width
-    dims = dict(vocab_size=8 * d, hidden_size=d, intermediate_size=4 * d, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=d // 8, global_head_dim=d // 4, num_global_key_value_heads=2,
-                sliding_window=128)
+    dims = MODELS[args.model](d)
     tmp = tempfile.mkdtemp(prefix="ckptbridge-bench-")
     rows = []
     try:
@@ -91,7 +110,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"width D={d}, bf16; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
+    print(f"model {args.model}, width D={d}, bf16; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
     print(f"{'layers':>6} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} "
           f"{'o2s peak MB':>12} {'merge s':>8} {'merge peak MB':>14}")
     for r in rows:
@@ -106,7 +125,7 @@ def main() -> None:
           f"merge peak RSS {ratio['merge_peak_rss_mb']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"width": d, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
+            json.dump({"model": args.model, "width": d, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
     growth = {k: (last[k] - first[k]) / (last["checkpoint_mb"] - first["checkpoint_mb"]) for k in keys[1:]}
     print("peak RSS growth per MB of checkpoint: " + ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in growth.items()))
     if args.max_growth is not None:

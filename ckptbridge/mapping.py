@@ -7,6 +7,7 @@ and :func:`tunix_to_hf` are the two directions of one entry, both derived from i
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import numpy as np
 
@@ -79,6 +80,24 @@ def hf_to_tunix(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
     when several)."""
     x = np.stack(arrays) if entry.rule.stack_axis else arrays[0]
     return layout.rearrange(x, entry.hf_stacked_layout, entry.rule.tunix_layout, entry.sizes)
+
+
+def stack_to_tunix(entry: Entry, arrays: Iterable[np.ndarray]) -> np.ndarray:
+    """The Tunix parameter of a stacked row (``TensorRule.stack``, the stack axis leading the Tunix
+    layout) from its HF tensors read one at a time: the output and one HF tensor are in memory,
+    never the whole stack twice. Equal to :func:`hf_to_tunix` on the list."""
+    groups = layout.parse(entry.rule.tunix_layout)
+    if groups[0] != (entry.rule.stack,):
+        return hf_to_tunix(entry, list(arrays))
+    inner = " ".join(g[0] if len(g) == 1 else f"({' '.join(g)})" for g in groups[1:])
+    out = None
+    for i, x in enumerate(arrays):
+        y = layout.rearrange(x, entry.rule.hf_layout, inner, entry.sizes)
+        if out is None:
+            out = np.empty(entry.tunix_shape, y.dtype)
+        out[i] = y
+        del x, y
+    return out
 
 
 def tunix_to_hf(entry: Entry, value: np.ndarray) -> list[np.ndarray]:

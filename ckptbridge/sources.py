@@ -65,6 +65,8 @@ class HFSource:
     def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
         if not entry.hf_keys:  # a parameter Tunix keeps unused where HF has none (``hf_absent``)
             return np.zeros(entry.tunix_shape, self.dtype(entry))
+        if entry.rule.stack is not None:  # one expert at a time
+            return mapping.stack_to_tunix(entry, (self.model.array(k) for k in entry.hf_keys))
         return mapping.hf_to_tunix(entry, self.arrays(entry))
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
