@@ -12,8 +12,9 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_peak_memory_is_flat_in_the_number_of_layers():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "memory_vs_layers.py"),
+@pytest.mark.parametrize("model", ["gemma4", "qwen3_moe"])  # dense, and expert stacks from per-expert keys
+def test_peak_memory_is_flat_in_the_number_of_layers(model):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "memory_vs_layers.py"), "--model", model,
                            "--layers", "2", "10", "--width", "1024", "--max-growth", "0.6"],
                           capture_output=True, text=True, timeout=900)
     print(proc.stdout)  # the figures, in the test log
