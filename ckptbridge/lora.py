@@ -360,10 +360,11 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
 
 @dataclasses.dataclass
 class ParamLora:
-    """A PEFT ``target_parameters`` LoRA on one stacked parameter of one layer (MoE experts):
-    lora_A ``(e r, in)`` with rows ordered (expert, rank), lora_B ``(out, r e)`` with columns
-    ordered (rank, expert), as PEFT's ``ParamWrapper`` reads them; each expert's delta is
-    ``B[:, :, j] @ A[j]``, its output rows split over ``entries`` (the HF rows, in order)."""
+    """A PEFT ``target_parameters`` LoRA on one expert parameter of one layer: lora_A ``(e r, in)``
+    with rows ordered (expert, rank), lora_B ``(out, r e)`` with columns ordered (rank, expert), as
+    PEFT's ``ParamWrapper`` reads them; each expert's delta is ``B[:, :, j] @ A[j]``, its output
+    rows split over ``entries`` (the HF rows, in order: one key per expert, or one tensor
+    ``(e, out, in)`` holding them all)."""
 
     name: str
     keys: tuple[str, str]
@@ -371,8 +372,14 @@ class ParamLora:
     experts: int
     scaling: Scaling
 
-    def expert_deltas(self, f: SafetensorsFile) -> Iterable[tuple[str, tuple[np.ndarray, np.ndarray]]]:
-        """(HF module of one expert's row, (lora_A, lora_B)) in PEFT layout, for every expert and row."""
+    @staticmethod
+    def expert_shape(entry: mapping.Entry) -> tuple[int, int]:
+        """(out, in) of one expert's part of ``entry``."""
+        return entry.hf_shape if entry.rule.stack else entry.hf_shape[1:]
+
+    def expert_deltas(self, f: SafetensorsFile) -> Iterable[tuple[str, int, tuple[np.ndarray, np.ndarray]]]:
+        """(HF key, first row of the key's tensor as a matrix, (lora_A, lora_B)) in PEFT layout, for
+        every expert and row."""
         a, b = f.array(self.keys[0]), f.array(self.keys[1])
         e, r = self.experts, self.scaling.rank
         a = a.reshape(e, r, a.shape[-1])
@@ -380,8 +387,12 @@ class ParamLora:
         for j in range(e):
             start = 0
             for entry in self.entries:
-                rows = entry.hf_shape[0]
-                yield entry.hf_keys[j].removesuffix(".weight"), (a[j], b[start:start + rows, :, j])
+                rows = self.expert_shape(entry)[0]
+                pair = (a[j], b[start:start + rows, :, j])
+                if entry.rule.stack:
+                    yield entry.hf_keys[j], 0, pair
+                else:
+                    yield entry.hf_keys[0], j * rows, pair
                 start += rows
 
 
@@ -557,13 +568,15 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: dict) -> PeftL
         scaling[module] = Scaling(rank, float(_pattern_value(alpha_pattern, module, alpha)), bool(cfg.get("use_rslora")))
     ordered = {name: tuple(keys[name]) for name in known if name in keys}
     params = {}
+    param_entries = _param_entries(base) if param_keys else {}
     for name, (ka, kb) in param_keys.items():
-        entries = _param_entries(base)[name]
+        entries = param_entries[name]
         if ka is None or kb is None:
             raise MismatchError(f"{weights}: {name} has only one of lora_A / lora_B")
         ia, ib = f.info(ka), f.info(kb)
-        experts = entries[0].sizes[entries[0].rule.stack]
-        out, inp = sum(e.hf_shape[0] for e in entries), entries[0].hf_shape[1]
+        experts = entries[0].sizes[next(p.axis for p in base.spec.peft_params if name.endswith("." + p.name))]
+        out = sum(ParamLora.expert_shape(e)[0] for e in entries)
+        inp = ParamLora.expert_shape(entries[0])[1]
         rank = ia.shape[0] // experts if len(ia.shape) == 2 else 0
         if rank < 1 or ia.shape != (experts * rank, inp) or ib.shape != (out, experts * rank):
             raise MismatchError(
@@ -626,16 +639,18 @@ def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float 
     return open_orbax_lora(src, base, step=step, alpha=alpha)
 
 
-def hf_deltas(adapter) -> Iterable[tuple[str, float, tuple[np.ndarray, np.ndarray]]]:
-    """(HF module, scale, (lora_A, lora_B)) for every module of an adapter of either kind, in PEFT
-    layout; for an Orbax checkpoint each module is read and converted when reached."""
+def hf_deltas(adapter) -> Iterable[tuple[str, int, float, tuple[np.ndarray, np.ndarray]]]:
+    """(HF key, first row, scale, (lora_A, lora_B)) for every LoRA delta of an adapter of either
+    kind, in PEFT layout: ``scale * B @ A`` adds to rows ``first row :`` ``+ len(B)`` of the key's
+    tensor seen as a matrix ``(prod(shape[:-1]), shape[-1])``. For an Orbax checkpoint each
+    module is read and converted when reached."""
     if isinstance(adapter, PeftLora):
         for module in adapter.keys:
-            yield module, adapter.scaling[module].scale, adapter.pair(module)
+            yield adapter.base.weight_key(module), 0, adapter.scaling[module].scale, adapter.pair(module)
         for param in adapter.params.values():
-            for module, pair in param.expert_deltas(adapter.file):
-                yield module, param.scaling.scale, pair
+            for key, row, pair in param.expert_deltas(adapter.file):
+                yield key, row, param.scaling.scale, pair
     else:
         for mod, sc in adapter.scaling.items():
             for name, pair in zip(mod.hf_modules, tunix_to_peft(mod, *adapter.factors(mod))):
-                yield name, sc.scale, pair
+                yield adapter.base.weight_key(name), 0, sc.scale, pair

@@ -568,12 +568,18 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
     merge_lora(src, peft_dir, str(tmp_path / "merged"), progress=False)
     ref = peft_logits(src, peft_dir, TOKENS)
     assert rel_l2(hf_logits(str(tmp_path / "merged"), TOKENS), ref) <= 1e-5
-    # LoRA on the experts' fused tensors: named and refused, nothing written
-    experts = build_peft_adapter(src, str(tmp_path / "experts"), r=2, lora_alpha=4, seed=2,
+    # LoRA on the experts (target_parameters; one tensor per layer on disk): merged exactly, refused by
+    # peft-to-orbax in one line with nothing written
+    experts = build_peft_adapter(src, str(tmp_path / "experts"), r=2, lora_alpha=4, seed=2, scale=1.0,
+                                 target_modules=["q_proj"],
                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])
-    for argv in (("merge", src, experts, str(tmp_path / "x")),
-                 ("convert", "peft-to-orbax", experts, str(tmp_path / "x"), "--base", src)):
+    r = merge_lora(src, experts, str(tmp_path / "merged-experts"), progress=False)
+    assert r["merged_tensors"] == 6 * 3  # per layer: q_proj and both expert tensors
+    ref = peft_logits(src, experts, TOKENS)
+    assert rel_l2(hf_logits(str(tmp_path / "merged-experts"), TOKENS), ref) <= 1e-5
+    assert rel_l2(hf_logits(src, TOKENS), ref) > 1e-2
+    for argv in (("convert", "peft-to-orbax", experts, str(tmp_path / "x"), "--base", src),):
         cli = run_cli(*argv)
-        assert cli.returncode == 5 and "target_parameters ['experts.gate_up_proj'" in cli.stderr, cli.stderr
+        assert cli.returncode == 5 and "experts.gate_up_proj" in cli.stderr and "ckptbridge merge" in cli.stderr
         errors = [line for line in cli.stderr.splitlines() if line.startswith("ckptbridge: error:")]
         assert len(errors) == 1 and not os.path.exists(str(tmp_path / "x"))

@@ -159,12 +159,14 @@ class SafetensorsFile:
         self._read_into(i, out.reshape(-1).view(np.uint8))
         return out
 
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` (along the first axis) of tensor ``name``, read from disk."""
+    def rows(self, name: str, start: int, stop: int, *, matrix: bool = False) -> np.ndarray:
+        """Rows ``start:stop`` (along the first axis) of tensor ``name``, read from disk; with
+        ``matrix``, of the tensor seen as ``(prod(shape[:-1]), shape[-1])``."""
         i = self.infos[name]
-        row_shape = i.shape[1:]
+        row_shape = i.shape[-1:] if matrix else i.shape[1:]
+        n = math.prod(i.shape[:-1]) if matrix else i.shape[0]
         row_bytes = math.prod(row_shape) * DTYPES[i.dtype].itemsize
-        stop = min(stop, i.shape[0])
+        stop = min(stop, n)
         out = np.empty((max(stop - start, 0), *row_shape), DTYPES[i.dtype])
         part = TensorInfo(name, i.dtype, out.shape, i.begin + start * row_bytes, i.begin + stop * row_bytes)
         self._read_into(part, out.reshape(-1).view(np.uint8))

@@ -88,13 +88,15 @@ class TensorRule:
 @dataclasses.dataclass(frozen=True)
 class PeftParam:
     """A parameter of the transformers model (under ``layers.{i}.``) that PEFT can target with
-    ``target_parameters`` (MoE experts, stacked along the rows' stack axis in memory, each
-    expert ``(out, in)``), made of ``rows`` concatenated along its output axis in that order
-    (transformers' ``mlp.experts.gate_up_proj`` is gate then up). Merged, never converted: qwix
-    puts no LoRA on such parameters."""
+    ``target_parameters``: MoE experts, ``(e, out, in)`` in memory, made of ``rows`` concatenated
+    along the output axis in that order (transformers' ``mlp.experts.gate_up_proj`` is gate then
+    up). The rows are either stacked rows (one HF key per expert, ``stack == "e"``: Qwen 3 MoE) or
+    one row whose HF tensor is the parameter itself (layout ``e ...``: Gemma 4). Merged, never
+    converted: qwix puts no LoRA on such parameters."""
 
     name: str
     rows: tuple[str, ...]
+    axis: str = "e"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,10 +206,14 @@ class FamilySpec:
         by_name = {r.name: r for r in self.rules}
         for param in self.peft_params:
             rows = [by_name.get(n) for n in param.rows]
-            if None in rows or len({(r.stack, r.scope, r.when, layout.axes(r.hf_layout)[1:]) for r in rows}) != 1 \
-                    or rows[0].stack is None or rows[0].scope != "layer":
-                raise ValueError(f"family {self.name}, PEFT parameter {param.name}: its rows must be stacked layer "
-                                 "rows with the same stack axis, flag and input axes")
+            stacked = None not in rows and all(r.stack == param.axis for r in rows) and \
+                len({(r.when, layout.axes(r.hf_layout)[1:]) for r in rows}) == 1
+            whole = None not in rows and len(rows) == 1 and not rows[0].fused and rows[0].stack is None and \
+                layout.parse(rows[0].hf_layout)[0] == (param.axis,)
+            if not (stacked or whole) or rows[0].scope != "layer":
+                raise ValueError(f"family {self.name}, PEFT parameter {param.name}: its rows must be layer rows "
+                                 f"stacked along {param.axis} with the same flag and input axes, or one row whose "
+                                 f"HF layout starts with {param.axis}")
         for model_type in self.model_types:
             if model_type not in self.hf_classes or model_type not in self.default_prefixes:
                 raise ValueError(f"family {self.name}: model_type {model_type!r} needs an HF class and a default prefix")

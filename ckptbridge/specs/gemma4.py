@@ -26,7 +26,7 @@ from typing import Any
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+from ckptbridge.specs.base import FamilySpec, PeftParam, TensorRule, TunixModel
 
 R = TensorRule
 
@@ -446,6 +446,8 @@ GEMMA4 = FamilySpec(
         "model.multi_modal_projector.",
     ),
     tied_keys=("lm_head.weight",),
+    peft_params=(PeftParam("experts.gate_up_proj", ("experts_gate_up",)),  # one tensor per layer on disk
+                 PeftParam("experts.down_proj", ("experts_down",))),
     tunix=TunixModel(module="tunix.models.gemma4.model", model_class="Gemma4", config=tunix_config,
                      mismatches=mismatches, trace_tokens=4),  # sliding layers need more than one token to trace
     tiny_config=tiny_config,
