@@ -75,7 +75,8 @@ def cmd_s2o(args) -> int:
     from ckptbridge.convert import convert_safetensors_to_orbax
 
     r = convert_safetensors_to_orbax(args.src, args.dst, overwrite=args.overwrite,
-                                     skip_multimodal=args.skip_multimodal, progress=_progress(args))
+                                     skip_multimodal=args.skip_multimodal, tunix_version=args.tunix_version,
+                                     progress=_progress(args))
     text = _conversion_text(r)
     if r["towers_dropped"]:
         text += f"\n  dropped {r['towers_dropped']} vision/audio tensors (--skip-multimodal)"
@@ -271,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     s2o.add_argument("dst", metavar="DST", help="Orbax checkpoint directory to create")
     s2o.add_argument("--skip-multimodal", action="store_true",
                      help="convert the text model of a checkpoint that has vision/audio towers and drop the towers")
+    s2o.add_argument("--tunix-version", metavar="VERSION",
+                     help="write the parameter layouts of this google-tunix version (default: the installed one), "
+                     "recorded in the checkpoint; for the few parameters whose layout changed between Tunix versions")
     common(s2o)
     s2o.set_defaults(func=cmd_s2o)
 

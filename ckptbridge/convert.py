@@ -21,6 +21,7 @@ from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, copy_assets, write_model_di
 from ckptbridge.io.safetensors import PlannedTensor, parse_size
 from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.progress import Progress
+from ckptbridge.specs.base import tunix_version_key
 from ckptbridge.sources import ASSETS_DIR, HFSource, open_hf_source, open_orbax_source
 from ckptbridge.tunix_model import note_mismatch
 
@@ -28,27 +29,36 @@ log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
 
 
-def _metadata(source: HFSource, kind: str, assets: list[str]) -> dict:
+def _metadata(source: HFSource, kind: str, assets: list[str], tunix_version: str | None) -> dict:
     return {KEY: Metadata(
         kind=kind, family=source.spec.name, hf_config=source.model.config, key_prefix=source.prefix,
         config_dialect=source.cfg.extras.get("dialect"), towers_dropped=len(source.tower_keys), assets=assets,
-        source=os.path.abspath(source.model.path), tunix_version=installed_tunix_version(),
+        source=os.path.abspath(source.model.path), tunix_version=tunix_version,
     ).to_json()}
 
 
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
-                                 skip_multimodal: bool = False, progress: bool | None = None) -> dict:
+                                 skip_multimodal: bool = False, tunix_version: str | None = None,
+                                 progress: bool | None = None) -> dict:
     """HF model directory -> Orbax checkpoint of the Tunix nnx state (nested dict, source dtypes).
 
-    Returns a report dict (tensors, bytes, seconds, key prefix, layer kinds).
+    The tree has the layouts of Tunix ``tunix_version`` (default: the installed google-tunix;
+    without one, the layouts of the version the specs were written against), recorded in the
+    checkpoint's metadata. Returns a report dict (tensors, bytes, seconds, key prefix, layer kinds).
     """
     t0 = time.perf_counter()
+    if tunix_version is not None:
+        try:
+            tunix_version_key(tunix_version)
+        except ValueError as e:
+            raise ConfigError(f"--tunix-version: {e}") from None
+    target = tunix_version or installed_tunix_version()
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
         mismatch = note_mismatch(source.cfg)
         flat = {
             e.tunix_path: orbax_io.LazyArray(e.tunix_shape, source.dtype(e), produce=lambda e=e: source.tunix_value(e))
-            for e in source.entries
+            for e in mapping.for_tunix_version(source.entries, target)
         }
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "safetensors -> orbax", enabled=progress)
@@ -56,7 +66,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             leaf.on_written = lambda n=leaf.nbytes: bar.update(n)
         assets = source.model.asset_files()
         with atomic_directory(dst, overwrite) as tmp:
-            orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets))
+            orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target))
             if assets:
                 copy_assets(assets, source.model.path, os.path.join(tmp, ASSETS_DIR))
         bar.close()
@@ -70,6 +80,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             "tensors": len(flat),
             "bytes": total,
             "towers_dropped": len(source.tower_keys),
+            "tunix_version": target,
             "config_mismatch": mismatch,
             "seconds": round(time.perf_counter() - t0, 3),
         }

@@ -26,6 +26,11 @@ class Entry:
     tunix_path: Path
     sizes: dict
     absent_keys: tuple[str, ...] = ()  # HF keys of a row HF does not have here (``hf_absent``)
+    tunix_variant: str | None = None  # a later Tunix layout of the row (``tunix_layouts_after``) used here
+
+    @property
+    def tunix_layout(self) -> str:
+        return self.tunix_variant or self.rule.tunix_layout
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -33,7 +38,7 @@ class Entry:
 
     @property
     def tunix_shape(self) -> tuple[int, ...]:
-        return layout.shape(self.rule.tunix_layout, self.sizes)
+        return layout.shape(self.tunix_layout, self.sizes)
 
     @property
     def hf_stacked_layout(self) -> str:
@@ -51,10 +56,31 @@ class Entry:
         return key[: len(key) - len(self.rule.suffixes(self.sizes)[0])]
 
 
+def with_tunix_layout(entry: Entry, tunix_layout: str) -> Entry:
+    """``entry`` with the Tunix side in ``tunix_layout`` (one of its rule's ``tunix_layouts``)."""
+    if tunix_layout not in entry.rule.tunix_layouts:
+        raise ValueError(f"{entry.rule.name}: {tunix_layout!r} is not one of its Tunix layouts")
+    return dataclasses.replace(entry, tunix_variant=None if tunix_layout == entry.rule.tunix_layout else tunix_layout)
+
+
+def for_tunix_version(ents: list[Entry], version: str | None) -> list[Entry]:
+    """``ents`` in the Tunix layouts of Tunix ``version`` (None: the rules' ``tunix_layout``)."""
+    return [with_tunix_layout(e, e.rule.tunix_layout_for(version)) for e in ents]
+
+
+def layout_with_shape(entry: Entry, shape: tuple[int, ...]) -> str | None:
+    """The Tunix layout of ``entry``'s rule whose shape is ``shape`` (its own first), or None."""
+    for lay in (entry.tunix_layout,) + entry.rule.tunix_layouts:
+        if layout.shape(lay, entry.sizes) == tuple(shape):
+            return lay
+    return None
+
+
 def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
     """Every tensor of the text model: model-level tensors, then each layer's. HF keys are
     ``prefix + suffix`` (model tensors), ``prefix + layers.{i}. + suffix`` (layer tensors), or the
-    suffix alone (rules with absolute keys)."""
+    suffix alone (rules with absolute keys). The Tunix side is in each rule's ``tunix_layout``
+    (see :func:`for_tunix_version` for another Tunix version's)."""
     out = []
     for r in spec.rules:
         if r.scope == "model" and r.applies(cfg.flags):
@@ -79,14 +105,14 @@ def hf_to_tunix(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
     """HF tensor(s) of one entry -> the Tunix parameter (stacked along ``c`` or the row's stack axis
     when several)."""
     x = np.stack(arrays) if entry.rule.stack_axis else arrays[0]
-    return layout.rearrange(x, entry.hf_stacked_layout, entry.rule.tunix_layout, entry.sizes)
+    return layout.rearrange(x, entry.hf_stacked_layout, entry.tunix_layout, entry.sizes)
 
 
 def stack_to_tunix(entry: Entry, arrays: Iterable[np.ndarray]) -> np.ndarray:
     """The Tunix parameter of a stacked row (``TensorRule.stack``, the stack axis leading the Tunix
     layout) from its HF tensors read one at a time: the output and one HF tensor are in memory,
     never the whole stack twice. Equal to :func:`hf_to_tunix` on the list."""
-    groups = layout.parse(entry.rule.tunix_layout)
+    groups = layout.parse(entry.tunix_layout)
     if groups[0] != (entry.rule.stack,):
         return hf_to_tunix(entry, list(arrays))
     inner = " ".join(g[0] if len(g) == 1 else f"({' '.join(g)})" for g in groups[1:])
@@ -102,5 +128,5 @@ def stack_to_tunix(entry: Entry, arrays: Iterable[np.ndarray]) -> np.ndarray:
 
 def tunix_to_hf(entry: Entry, value: np.ndarray) -> list[np.ndarray]:
     """The Tunix parameter of one entry -> its HF tensor(s), in ``entry.hf_keys`` order."""
-    y = layout.rearrange(value, entry.rule.tunix_layout, entry.hf_stacked_layout, entry.sizes)
+    y = layout.rearrange(value, entry.tunix_layout, entry.hf_stacked_layout, entry.sizes)
     return [y[i] for i in range(len(entry.hf_keys))] if entry.rule.stack_axis else [y]

@@ -44,8 +44,9 @@ class Metadata:
       kv: how fused modules were made from separate PEFT modules (``exact`` / ``svd``).
       target: what a PEFT export was made for (``hf`` / ``vllm``).
       step, tokens_seen, data_state: training progress (training checkpoints).
-      tunix_version: the google-tunix version installed where an Orbax checkpoint was written
-        (layouts and computations differ between Tunix versions).
+      tunix_version: the google-tunix version an Orbax checkpoint was written for: the installed
+        one, or the one ``safetensors-to-orbax --tunix-version`` named (layouts and computations
+        differ between Tunix versions).
       other: fields this version does not know, kept as they are.
     """
 

@@ -250,9 +250,16 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
     if meta.family not in (None, spec.name):
         raise MismatchError(f"{path}: metadata says family {meta.family!r} but the config is {spec.name!r}")
     prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
+    # the layouts of the Tunix version the checkpoint was written for; each leaf is then read in
+    # whichever of its row's layouts it is stored (files that predate the recorded version)
     ents = mapping.entries(cfg, spec, prefix)
+    try:
+        ents = mapping.for_tunix_version(ents, meta.tunix_version)
+    except ValueError:  # an unreadable version string: the stored shapes alone decide
+        pass
     leaves = ckpt.leaves
     suffix = ckpt.value_suffix
+    ents = [_stored_layout(e, leaves.get(e.tunix_path + suffix)) for e in ents]
     expected = {e.tunix_path + suffix: e for e in ents}
     missing = [p for p in expected if p not in leaves]
     if missing:
@@ -274,6 +281,12 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
                 f"{e.tunix_shape}{_layer_note(e)}; the checkpoint and the config disagree"
             )
     return OrbaxSource(ckpt, cfg, spec, prefix, ents, suffix, config_dir)
+
+
+def _stored_layout(entry: mapping.Entry, leaf) -> mapping.Entry:
+    """``entry`` in the Tunix layout its stored leaf has (unchanged when none fits: the shape check says so)."""
+    lay = mapping.layout_with_shape(entry, leaf[0]) if leaf is not None else None
+    return mapping.with_tunix_layout(entry, lay) if lay is not None else entry
 
 
 def open_model_source(src: str, *, step: int | None = None, skip_multimodal: bool = False):

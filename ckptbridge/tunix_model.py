@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge import qwix_lora
+from ckptbridge import layout, mapping, qwix_lora
 from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs import FAMILIES, FamilySpec, get_family
@@ -170,6 +170,9 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
         for e in source.entries:
             target = _lookup(pure, e.tunix_path)
             value = np.asarray(source.tunix_value(e))
+            lay = mapping.layout_with_shape(e, tuple(target.shape))
+            if lay is not None and lay != e.tunix_layout:  # the installed Tunix lays this out otherwise
+                value = layout.rearrange(value, e.tunix_layout, lay, e.sizes)
             if tuple(value.shape) != tuple(target.shape):
                 raise UnsupportedError(
                     f"{e.tunix_name}: Tunix expects {tuple(target.shape)}, the map gives {value.shape}"

@@ -516,6 +516,42 @@ def test_gemma4_kv_shared_layers_from_older_writers(models, tmp_path):
     assert compare_tensors(src, str(tmp_path / "back"))["identical"]
 
 
+def test_gemma4_ple_layout_of_later_tunix(models, tmp_path):
+    """Tunix after 0.1.7 keeps the per-layer-embedding table and projection flat, (..., L*P): written
+    for such a version on request (and recorded), read back in whichever layout a checkpoint has
+    (recorded or not), bit-exact both ways, and loaded into the installed Tunix in its own layout."""
+    from ckptbridge.io.orbax import OrbaxCheckpoint, nest, save_tree
+    from ckptbridge.metadata import installed_tunix_version
+
+    src = models["gemma4_e2b"]
+    new, old = str(tmp_path / "new"), str(tmp_path / "old")
+    r = convert_safetensors_to_orbax(src, new, tunix_version="0.1.8", progress=False)
+    r_old = convert_safetensors_to_orbax(src, old, progress=False)
+    assert r["tunix_version"] == "0.1.8" and r_old["tunix_version"] == installed_tunix_version() == "0.1.7"
+    table, projection = ("embedder", "per_layer_input_embedding"), ("embedder", "per_layer_model_projection", "w")
+    with OrbaxCheckpoint(new) as a, OrbaxCheckpoint(old) as b:
+        assert a.metadata.tunix_version == "0.1.8" and b.metadata.tunix_version == "0.1.7"
+        assert a.leaves[table][0] == (300, 6 * 8) and b.leaves[table][0] == (300, 6, 8)
+        d = b.leaves[projection][0][0]
+        assert a.leaves[projection][0] == (d, 6 * 8) and b.leaves[projection][0] == (d, 6, 8)
+        flat_a, flat_b = a.read(list(a.leaves)), b.read(list(b.leaves))
+    assert set(flat_a) == set(flat_b)
+    for path in flat_a:  # the same numbers; only the two PLE leaves differ in shape
+        assert np.array_equal(flat_a[path], flat_b[path].reshape(flat_a[path].shape)), path
+        assert (flat_a[path].shape != flat_b[path].shape) == (path in (table, projection))
+    bare = str(tmp_path / "bare")  # a later Tunix's own checkpoint: flat, no ckptbridge metadata
+    save_tree(bare, nest(flat_a))
+    for orbax_dir, config in ((new, None), (bare, src)):
+        back = str(tmp_path / f"back-{os.path.basename(orbax_dir)}")
+        convert_orbax_to_safetensors(orbax_dir, back, config=config, progress=False)
+        assert compare_tensors(src, back)["identical"], orbax_dir
+    parity = logits_parity(src, new)  # loaded into the installed Tunix 0.1.7: (..., L, P) again
+    assert parity["rel_l2"] <= 1e-5 and parity["argmax_agreement"] == 1.0, parity
+    p = run_cli("convert", "safetensors-to-orbax", src, str(tmp_path / "bad"), "--tunix-version", "next")
+    assert p.returncode != 0 and "--tunix-version" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not os.path.exists(str(tmp_path / "bad"))
+
+
 GEMMA4_MOE = dict(family="gemma4", enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=28)
 
 

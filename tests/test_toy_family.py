@@ -79,6 +79,21 @@ def test_spec_is_checked_against_its_vocabulary():
         FamilySpec(name="bad", model_types=("x",), hf_classes={"x": "X"},
                    rules=(R("q", ("q",), "d", "q", "d", when="nope"),), key_prefixes=("model.",),
                    default_prefixes={"x": "model."}, parse_config=parse, axes=("d",))
+    with pytest.raises(ValueError, match="later Tunix layout"):
+        FamilySpec(name="bad", model_types=("x",), hf_classes={"x": "X"},
+                   rules=(R("q", ("q",), "(n h) d", "q", "d n h", tunix_layouts_after=(("0.1.7", "d n"),)),),
+                   key_prefixes=("model.",), default_prefixes={"x": "model."}, parse_config=parse, axes=("n", "h", "d"))
+
+
+def test_tunix_layout_follows_the_version():
+    from ckptbridge.specs.base import tunix_version_key
+
+    rule = R("q", ("q",), "(n h) d", "q", "d n h", tunix_layouts_after=(("0.1.7", "d (n h)"), ("0.3", "(n h) d")))
+    assert [rule.tunix_layout_for(v) for v in (None, "0.1.6", "0.1.7", "0.1.8.dev0", "v0.2.1", "0.3.0", "1.0")] == \
+        ["d n h", "d n h", "d n h", "d (n h)", "d (n h)", "d (n h)", "(n h) d"]
+    assert tunix_version_key("0.1.7+git.c7d8950") == (0, 1, 7)
+    with pytest.raises(ValueError, match="not a version"):
+        tunix_version_key("next")
 
 
 def test_toy_family_end_to_end(toy, tmp_path):

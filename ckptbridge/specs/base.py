@@ -51,6 +51,11 @@ class TensorRule:
         unused (Gemma 4's kv-shared layers: no k/v of their own). From HF it is filled with
         zeros; it is not written back; an HF file that carries it anyway (older writers) has it
         ignored, as transformers does.
+      tunix_layouts_after: layouts later Tunix releases use instead of ``tunix_layout``, as
+        ``(version, layout)`` pairs in increasing version order: releases after ``version`` lay the
+        parameter out as ``layout`` (Gemma 4's per-layer embeddings are ``u l p`` in Tunix 0.1.7
+        and flat ``u (l p)`` after it). Conversions to Orbax write the layout of the Tunix version
+        they target; Orbax checkpoints are read in whichever of the layouts they are stored.
     """
 
     name: str
@@ -65,6 +70,7 @@ class TensorRule:
     vllm_lora_aliases: tuple[str, ...] = ()
     stack: str | None = None
     hf_absent: str | None = None
+    tunix_layouts_after: tuple[tuple[str, str], ...] = ()
 
     def applies(self, flags: Mapping[str, bool]) -> bool:
         return self.when is None or bool(flags[self.when])
@@ -78,11 +84,45 @@ class TensorRule:
         """The Tunix axis the HF tensors are stacked along: ``c`` (fused), the ``stack`` axis, or None."""
         return "c" if self.fused else self.stack
 
+    def tunix_layout_for(self, version: str | None) -> str:
+        """The Tunix layout of this row in Tunix ``version`` (None: ``tunix_layout``)."""
+        out = self.tunix_layout
+        if version is not None:
+            for after, lay in self.tunix_layouts_after:
+                if tunix_version_key(version) > tunix_version_key(after):
+                    out = lay
+        return out
+
+    @property
+    def tunix_layouts(self) -> tuple[str, ...]:
+        """Every Tunix layout of this row, ``tunix_layout`` first."""
+        return (self.tunix_layout,) + tuple(lay for _, lay in self.tunix_layouts_after)
+
     def suffixes(self, sizes: Mapping[str, int]) -> tuple[str, ...]:
         """The HF key suffixes of this row for axis sizes ``sizes`` (a template expanded per index)."""
         if self.stack is None:
             return self.hf
         return tuple(self.hf[0].replace("{" + self.stack + "}", str(i)) for i in range(sizes[self.stack]))
+
+
+def tunix_version_key(version: str) -> tuple[int, ...]:
+    """The release numbers of a Tunix version string, for ordering (``"0.1.8.dev0"`` -> (0, 1, 8),
+    ``"0.3.0"`` -> (0, 3)).
+
+    Raises ValueError for a string that does not start with a number."""
+    numbers = []
+    for part in version.strip().lstrip("v").split("."):
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if not digits:
+            break
+        numbers.append(int(part[:digits]))
+        if digits < len(part):
+            break
+    if not numbers:
+        raise ValueError(f"{version!r} is not a version like 0.1.7")
+    while len(numbers) > 1 and numbers[-1] == 0:  # 0.3.0 is 0.3
+        numbers.pop()
+    return tuple(numbers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +234,11 @@ class FamilySpec:
                 unknown = set(layout.axes(lay)) - known_axes
                 if unknown:
                     raise ValueError(f"{where}: layout {lay!r} uses undeclared axes {sorted(unknown)}")
+            for after, lay in r.tunix_layouts_after:
+                tunix_version_key(after)
+                if sorted(layout.axes(lay)) != sorted(layout.axes(r.tunix_layout)) or r.lora or r.stack_axis:
+                    raise ValueError(f"{where}: a later Tunix layout {lay!r} has the axes of {r.tunix_layout!r}, on a "
+                                     "row that is neither fused, stacked nor a LoRA target")
             if not 1 <= len(r.hf) <= 3:
                 raise ValueError(f"{where}: a rule fuses one to three HF tensors")
             if r.fused != ("c" in layout.axes(r.tunix_layout)):

@@ -30,15 +30,16 @@ from ckptbridge.specs.base import FamilySpec, PeftParam, TensorRule, TunixModel
 
 R = TensorRule
 
+PLE_FLAT_AFTER = "0.1.7"  # the last Tunix release with per-layer embeddings laid out (..., l, p)
 SHARED = "kv_shared"  # kv-shared layers: no k/v/k_norm in HF; Tunix keeps them, unused
 RULES: tuple[TensorRule, ...] = (
     G.EMBED, G.FINAL_NORM,
     # per-layer embeddings (E2B/E4B): model tensors with a layer axis l, P-wide (p); the table
-    # has its own vocabulary size (u)
+    # has its own vocabulary size (u). Tunix 0.1.7 splits l and p; later Tunix keeps them flat
     R("ple_embed", ("embed_tokens_per_layer.weight",), "u (l p)", "embedder.per_layer_input_embedding", "u l p",
-      scope="model", when="ple"),
+      scope="model", when="ple", tunix_layouts_after=((PLE_FLAT_AFTER, "u (l p)"),)),
     R("ple_projection", ("per_layer_model_projection.weight",), "(l p) d", "embedder.per_layer_model_projection.w",
-      "d l p", scope="model", when="ple"),
+      "d l p", scope="model", when="ple", tunix_layouts_after=((PLE_FLAT_AFTER, "d (l p)"),)),
     R("ple_norm", ("per_layer_projection_norm.weight",), "p", "embedder.per_layer_projection_norm.scale", "p",
       scope="model", when="ple"),
     G.q(), dataclasses.replace(G.kv("kv_fused"), hf_absent=SHARED),
