@@ -518,10 +518,15 @@ def _exact(lint: Lint, adapter: str, peft_dir: str, base: str, tokens, peft_logi
     try:
         import jax
 
-        from ckptbridge.tunix_model import load_tunix_adapter
+        from ckptbridge.tunix_model import load_tunix_adapter, mismatch_line
     except ImportError as e:
         return {"ok": None, "skipped": f"Tunix is not installed here ({e.name}); install ckptbridge[verify]"}
+    from ckptbridge.sources import open_base
     from ckptbridge.verify import rel_l2, tunix_logits
+
+    line = mismatch_line(open_base(base).cfg)
+    if line is not None:  # Tunix's logits would differ with or without the adapter
+        return {"ok": None, "skipped": line}
 
     via = "orbax-to-peft"
     orbax_src = adapter

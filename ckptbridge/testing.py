@@ -171,7 +171,8 @@ def lora_targets(family: str = DEFAULT_FAMILY) -> str:
     return f".*({'|'.join(get_family(family).lora_targets)})"
 
 
-def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: int = 0, scale: float = 0.3):
+def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: int = 0, scale: float = 0.3,
+                     allow_config_mismatch: bool = False):
     """The Tunix model of ``base_dir`` with qwix LoRA on ``rules`` (default: every LoRA target of its
     family, rank 4, alpha 12) and random non-zero A and B. Returns ``(model, rules)``; needs jax, qwix."""
     import jax
@@ -184,7 +185,8 @@ def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: in
     from ckptbridge.sources import open_base
 
     rules = rules or [{"module_path": lora_targets(open_base(base_dir).spec.name), "rank": 4, "alpha": 12.0}]
-    model, _ = load_tunix_model(base_dir, param_dtype=np.float32, skip_multimodal=True)
+    model, _ = load_tunix_model(base_dir, param_dtype=np.float32, skip_multimodal=True,
+                                allow_config_mismatch=allow_config_mismatch)
     model = apply_lora_rules(model, rules, seed=seed)
     state = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(seed)

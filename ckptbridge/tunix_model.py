@@ -201,7 +201,8 @@ def apply_lora_rules(model, rules: list[dict], *, seed: int = 0):
 
 
 def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None, mesh=None,
-                          param_dtype: Any = None, rules: list[dict] | None = None):
+                          param_dtype: Any = None, rules: list[dict] | None = None,
+                          allow_config_mismatch: bool = False):
     """The Tunix base model with qwix LoRA rebuilt from the rules recorded in a LoRA checkpoint root
     (as ``peft-to-orbax`` or the training package write them) and its factors restored with Tunix's
     own ``CheckpointManager.maybe_restore``. Returns ``(model, step, rules)``."""
@@ -216,7 +217,8 @@ def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None,
     rules = rules or (meta.lora.rules if meta.lora else None)
     if not rules:
         raise ConfigError(f"{lora_root}: no LoRA rules recorded; pass rules=[{{module_path, rank, alpha}}]")
-    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=param_dtype, skip_multimodal=True)
+    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=param_dtype, skip_multimodal=True,
+                                allow_config_mismatch=allow_config_mismatch)
     model = apply_lora_rules(model, rules)
     root = os.path.dirname(os.path.dirname(item))
     manager = CheckpointManager(os.path.abspath(root))
@@ -229,7 +231,7 @@ def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None,
 
 
 def load_tunix_adapter(base: str, src: str, *, step: int | None = None, alpha: float | None = None,
-                       dtype: Any = np.float32):
+                       dtype: Any = np.float32, allow_config_mismatch: bool = False):
     """The Tunix base model with qwix LoRA for a LoRA checkpoint in any form ``orbax-to-peft``
     accepts (checkpoint-manager root, step, ``model_params``; rules recorded or ``alpha`` given):
     the qwix rules come from the checkpoint's validated ranks and alphas, the factors are read
@@ -243,7 +245,8 @@ def load_tunix_adapter(base: str, src: str, *, step: int | None = None, alpha: f
     b = open_base(base)
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
         rules = lora.rules_for(ad.scaling, b.modules)
-        model, _ = load_tunix_model(base, param_dtype=dtype, dtype=dtype, skip_multimodal=True)
+        model, _ = load_tunix_model(base, param_dtype=dtype, dtype=dtype, skip_multimodal=True,
+                                    allow_config_mismatch=allow_config_mismatch)
         model = apply_lora_rules(model, rules)
         state = nnx.state(model, nnx.LoRAParam)
         pure = state.to_pure_dict()
