@@ -516,6 +516,46 @@ def test_gemma4_kv_shared_layers_from_older_writers(models, tmp_path):
     assert compare_tensors(src, str(tmp_path / "back"))["identical"]
 
 
+def test_gemma4_e4b_text_both_dialects(tmp_path):
+    """Gemma 4 E4B-shaped (per-layer embeddings and kv-shared layers, no double-wide MLP) as
+    Gemma4ForCausalLM (gemma4_text, ``model.``), in both config dialects: bitwise both ways, Tunix
+    logits (from the per_layer_config files) equal transformers' (on the legacy ones), and a PEFT
+    adapter with the per-layer gate and projection gives the same logits in Tunix."""
+    import shutil
+
+    import jax
+
+    from ckptbridge.specs.gemma4 import to_per_layer_config
+    from ckptbridge.tunix_model import load_tunix_adapter, load_tunix_model
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    legacy = build_checkpoint(str(tmp_path / "legacy"), family="gemma4", model_type="gemma4_text", seed=5,
+                              attention_k_eq_v=False, hidden_size_per_layer_input=6, vocab_size_per_layer_input=300,
+                              num_kv_shared_layers=2, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+                              + ["sliding_attention", "full_attention"])
+    src = str(tmp_path / "plc")
+    shutil.copytree(legacy, src)
+    to_per_layer_config(os.path.join(src, "config.json"))
+    for model_dir in (legacy, src):
+        orbax_dir, back = str(tmp_path / f"orbax-{os.path.basename(model_dir)}"), str(tmp_path / "back")
+        r = convert_safetensors_to_orbax(model_dir, orbax_dir, progress=False)
+        assert r["key_prefix"] == "model." and r["config_mismatch"] is None
+        convert_orbax_to_safetensors(orbax_dir, back, progress=False, overwrite=True)
+        assert compare_tensors(model_dir, back)["identical"]
+        assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(model_dir, "config.json")))
+    with open_hf_source(src) as source:
+        assert {e.layer.index for e in source.entries if not e.hf_keys} == {4, 5}  # no k/v of their own
+        assert source.cfg.sizes["p"] == 6 and source.cfg.sizes["l"] == 6
+    model, _ = load_tunix_model(str(tmp_path / "orbax-plc"))
+    assert rel_l2(tunix_logits(model, TOKENS), hf_logits(legacy, TOKENS)) <= 1e-5
+    peft_dir = build_peft_adapter(legacy, str(tmp_path / "peft"), r=2, lora_alpha=4, seed=6)
+    targets = json.load(open(os.path.join(peft_dir, "adapter_config.json")))["target_modules"]
+    assert "per_layer_input_gate" in targets and "per_layer_projection" in targets
+    convert_peft_to_orbax(peft_dir, str(tmp_path / "lora"), base=src, progress=False)
+    got = tunix_logits(load_tunix_adapter(src, str(tmp_path / "lora")), TOKENS)
+    assert rel_l2(got, peft_logits(legacy, peft_dir, TOKENS)) <= 1e-5
+
+
 def test_gemma4_ple_layout_of_later_tunix(models, tmp_path):
     """Tunix after 0.1.7 keeps the per-layer-embedding table and projection flat, (..., L*P): written
     for such a version on request (and recorded), read back in whichever layout a checkpoint has
