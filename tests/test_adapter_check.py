@@ -11,7 +11,7 @@ import pytest
 from ckptbridge import lora
 from ckptbridge.adapter_check import lint_adapter, peft_selects, verify_adapter
 from ckptbridge.adapters import convert_orbax_to_peft
-from ckptbridge.io.safetensors import DTYPES, PlannedTensor, SafetensorsFile, write_file
+from ckptbridge.io.safetensors import PlannedTensor, SafetensorsFile, write_file
 from ckptbridge.testing import lora_targets, build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
 
 from conftest import run_cli, tree_hash
