@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import lora, vllm_lora
+from ckptbridge import lora, model_card, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
@@ -54,12 +54,20 @@ def _target_modules_regex(names: list[str], base: Base) -> str:
     return parts[0] if len(parts) == 1 else "|".join(f"(?:{p})" for p in parts)
 
 
+def _step_of(ad: lora.OrbaxLora) -> int | None:
+    """The training step of a LoRA checkpoint: recorded, or the name of its step directory."""
+    if ad.metadata.step is not None:
+        return ad.metadata.step
+    name = os.path.basename(os.path.dirname(os.path.abspath(ad.path)))
+    return int(name) if name.isdigit() else None
+
+
 def _adapter_config(base: Base, names: list[str], r: int, alpha: float, rank_pattern: dict,
-                    alpha_pattern: dict, dropout: float = 0.0) -> dict:
+                    alpha_pattern: dict, dropout: float = 0.0, base_id: str | None = None) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": os.path.abspath(base.path),
+        "base_model_name_or_path": base_id or os.path.abspath(base.path),
         "r": r,
         "lora_alpha": lora.plain_number(alpha),
         "target_modules": _target_modules_regex(names, base),
@@ -81,17 +89,24 @@ def _adapter_config(base: Base, names: list[str], r: int, alpha: float, rank_pat
 
 
 def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = None, alpha: float | None = None,
-                          target: str = "hf", overwrite: bool = False, progress: bool | None = None) -> dict:
-    """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
+                          target: str = "hf", base_id: str | None = None, overwrite: bool = False,
+                          progress: bool | None = None) -> dict:
+    """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``
+    + a model card ``README.md``).
 
     ``target="vllm"`` also writes, on k_eq_v layers, the k_proj factors as v_proj (vLLM applies
     V's LoRA separately) and makes rank/alpha uniform (vLLM ignores rank/alpha patterns).
+    ``base_id`` is the base's Hub id for the adapter config and model card (default: found from
+    a Hub cache path or the base's config; else the base's local path is recorded).
     """
     t0 = time.perf_counter()
     if target not in TARGETS:
         raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    if base_id is not None and not model_card.is_repo_id(base_id):
+        raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
+    base_id = model_card.hub_id(b.path, base_id)
     mismatch = note_mismatch(b.cfg)
     warnings: list[str] = []
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
@@ -154,7 +169,12 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                                          lambda mod=mod, i=i, sc=sc: pair(mod, i, sc)[1]))
         names = [name for name, _, _, _ in plan]
         dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
-        config = _adapter_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout)
+        config = _adapter_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
+        card = model_card.adapter_card(
+            base_id=base_id, base_path=b.path, source=os.path.abspath(ad.path), step=_step_of(ad),
+            rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
+            target_modules=sorted({n.rsplit(".", 1)[-1] for n in names}), target=target, family=b.spec.name,
+            peft_version=model_card.installed_version("peft"))
         meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=os.path.abspath(ad.path),
                                          base=os.path.abspath(b.path)).to_json())}
         total = sum(t.nbytes for t in tensors)
@@ -165,6 +185,8 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
             with open(os.path.join(tmp, lora.ADAPTER_CONFIG), "w") as f:
                 json.dump(config, f, indent=2)
                 f.write("\n")
+            with open(os.path.join(tmp, model_card.FILENAME), "w") as f:
+                f.write(card)
         bar.close()
         return {
             "direction": "orbax-to-peft",

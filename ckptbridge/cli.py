@@ -93,11 +93,18 @@ def cmd_o2s(args) -> int:
     return 0
 
 
+def _base_id_option(sp) -> None:
+    sp.add_argument("--base-id", metavar="ORG/NAME",
+                    help="the base's Hub id, for the model card (README.md) written with the output (default: "
+                    "found from a Hub cache path or the base's config.json; else the card names the local path)")
+
+
 def cmd_o2p(args) -> int:
     from ckptbridge.adapters import convert_orbax_to_peft
 
     r = convert_orbax_to_peft(args.src, args.dst, base=args.base, step=args.step, alpha=args.alpha,
-                              target=args.target, overwrite=args.overwrite, progress=_progress(args))
+                              target=args.target, base_id=args.base_id, overwrite=args.overwrite,
+                              progress=_progress(args))
     text = (f"orbax-to-peft ({r['target']}): {r['source']} -> {r['destination']}\n"
             f"  {r['modules']} modules, r={r['r']}, lora_alpha={r['lora_alpha']}, {_human_bytes(r['bytes'])} "
             f"in {r['seconds']:.2f} s")
@@ -129,7 +136,8 @@ def cmd_merge(args) -> int:
     from ckptbridge.merge import merge_lora
 
     r = merge_lora(args.base, args.adapter, args.dst, step=args.step, alpha=args.alpha,
-                   max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=_progress(args))
+                   max_shard_size=args.max_shard_size, base_id=args.base_id, overwrite=args.overwrite,
+                   progress=_progress(args))
     _emit(args, r, (f"merge: {r['base']} + {r['adapter']} -> {r['destination']}\n"
                     f"  {r['merged_tensors']} tensors merged, {r['copied_tensors']} copied, "
                     f"{_human_bytes(r['bytes'])} in {r['seconds']:.2f} s\n  files: {', '.join(r['files'])}"))
@@ -309,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     o2p.add_argument("--target", choices=["hf", "vllm"], default="hf",
                      help="hf: for transformers/PEFT (default); vllm: also repeat k_proj LoRA as v_proj on "
                      "k_eq_v layers and make rank/alpha uniform")
+    _base_id_option(o2p)
     common(o2p)
     o2p.set_defaults(func=cmd_o2p)
 
@@ -339,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     mrg.add_argument("dst", metavar="DST", help="merged HF model directory to create")
     _orbax_lora_options(mrg)
     mrg.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    _base_id_option(mrg)
     common(mrg)
     mrg.set_defaults(func=cmd_merge)
 

@@ -10,13 +10,14 @@ whatever the model size.
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ckptbridge import lora
+from ckptbridge import lora, model_card
 from ckptbridge.errors import ConfigError, MismatchError
 from ckptbridge.io.atomic import check_destination
 from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, HFModelDir, write_model_directory
@@ -101,16 +102,19 @@ class _Merger:
 
 
 def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, alpha: float | None = None,
-               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
-               progress: bool | None = None) -> dict:
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base_id: str | None = None,
+               overwrite: bool = False, progress: bool | None = None) -> dict:
     """Merge ``adapter`` (a PEFT directory or a Tunix/qwix Orbax LoRA checkpoint) into the HF
     model ``base`` and write the merged model to ``dst`` (sharded safetensors + index,
-    config.json and the base's non-weight files). Returns a report."""
+    config.json, the base's non-weight files, and a model card naming the base, its Hub id
+    ``base_id`` or the one found from its path or config). Returns a report."""
     t0 = time.perf_counter()
     try:
         shard_bytes = parse_size(max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
+    if base_id is not None and not model_card.is_repo_id(base_id):
+        raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
     check_destination(dst, [base, adapter], overwrite)
     b = open_base(base)
     with HFModelDir(base) as model, lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad, \
@@ -128,9 +132,12 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
             chunks = merger.merged_rows if key in deltas else merger.copied
             planned.append(PlannedTensor(key, numpy_dtype(info.dtype), info.shape,
                                          chunks=lambda key=key, chunks=chunks: chunks(key)))
+        card = model_card.merged_card(base_id=model_card.hub_id(base, base_id), base_path=base, adapter=adapter,
+                                      adapter_id=model_card.hub_id(adapter) if os.path.isdir(adapter) else None,
+                                      step=step, family=b.spec.name, merged_tensors=len(deltas))
         try:
             files = write_model_directory(dst, planned, model.config, shard_bytes, assets_from=base,
-                                          overwrite=overwrite, desc="merge", progress=progress)
+                                          card=card, overwrite=overwrite, desc="merge", progress=progress)
         finally:
             merger.cancel()
         return {

@@ -177,10 +177,11 @@ def non_weight_files(directory: str) -> list[str]:
 
 
 def write_model_directory(dst: str, tensors: list, hf_config: dict, max_shard_bytes: int, *,
-                          assets_from: str | None = None, overwrite: bool = False, desc: str = "write",
-                          progress: bool | None = None) -> list[str]:
-    """Write an HF model directory atomically: sharded safetensors (+ index), config.json and the
-    non-weight files of ``assets_from``. ``tensors`` are PlannedTensors. Returns the weight files."""
+                          assets_from: str | None = None, card: str | None = None, overwrite: bool = False,
+                          desc: str = "write", progress: bool | None = None) -> list[str]:
+    """Write an HF model directory atomically: sharded safetensors (+ index), config.json, the
+    non-weight files of ``assets_from`` and, when given, ``card`` as its README.md (in place of
+    one copied). ``tensors`` are PlannedTensors. Returns the weight files."""
     from ckptbridge.io.atomic import atomic_directory
     from ckptbridge.io.safetensors import write_sharded
     from ckptbridge.progress import Progress
@@ -194,5 +195,8 @@ def write_model_directory(dst: str, tensors: list, hf_config: dict, max_shard_by
             f.write("\n")
         if assets_from:
             copy_assets(non_weight_files(assets_from), assets_from, tmp)
+        if card is not None:
+            with open(os.path.join(tmp, "README.md"), "w") as f:
+                f.write(card)
     bar.close()
     return files

@@ -1,0 +1,140 @@
+"""Model cards (``README.md``) for what ckptbridge writes for the Hub: exported adapters and merged
+models, so that ``hf upload`` needs nothing else.
+
+The YAML front matter is the one PEFT's ``save_pretrained`` writes for a LoRA adapter
+(``base_model``, ``library_name: peft``, ``pipeline_tag``, tags with ``lora`` and
+``base_model:adapter:<base>``), or for a merged model ``base_model`` with
+``base_model_relation: merge``. The body says how the files were made. Written by hand (the
+values are strings and lists): no huggingface_hub needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+FILENAME = "README.md"
+# a Hub repository id: "name" or "org/name" (the Hub's own rule: letters, digits, - _ .)
+_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# a snapshot folder of the Hub cache: .../models--org--name/snapshots/<revision>
+_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--(.+?)/snapshots/[^/]+/?$")
+
+
+def is_repo_id(value: str) -> bool:
+    return bool(_REPO_ID.match(value)) and not value.endswith((".", "-")) and ".." not in value
+
+
+def hub_id(path: str, explicit: str | None = None) -> str | None:
+    """The Hub id of the model or adapter at ``path``: ``explicit`` when given, else the repository
+    of a Hub cache snapshot folder, else the config's ``_name_or_path`` when that is a Hub id (not a
+    local path); None when none says."""
+    if explicit:
+        return explicit
+    m = _CACHE_SNAPSHOT.search(os.path.abspath(path).replace(os.sep, "/"))
+    if m:
+        return m.group(1).replace("--", "/")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            name = json.load(f).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(name, str) and is_repo_id(name) and "/" in name and not os.path.exists(name):
+        return name
+    return None
+
+
+def _yaml(data: dict) -> str:
+    """YAML front matter of strings and lists of strings (JSON strings are YAML strings)."""
+    lines = ["---"]
+    for key, value in data.items():
+        if isinstance(value, list):
+            lines.append(f"{key}:")
+            lines.extend(f"- {json.dumps(v)}" for v in value)
+        else:
+            lines.append(f"{key}: {json.dumps(value)}")
+    lines.append("---")
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    out = ["| | |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in rows if v not in (None, "")]
+    return "\n".join(out) + "\n"
+
+
+def _version() -> str:
+    from ckptbridge import __version__
+
+    return __version__
+
+
+def installed_version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def adapter_card(*, base_id: str | None, base_path: str, source: str, step: int | None, rank: int,
+                 alpha: float, patterns: int, target_modules: list[str], target: str, family: str,
+                 peft_version: str | None = None) -> str:
+    """README.md of a PEFT adapter exported from a Tunix/qwix LoRA checkpoint."""
+    base = base_id or os.path.abspath(base_path)
+    meta: dict = {}
+    if base_id:
+        meta["base_model"] = base_id
+    meta["library_name"] = "peft"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = ([f"base_model:adapter:{base_id}"] if base_id else []) + ["ckptbridge", "lora", "transformers"]
+    made = f"step {step} of " if step is not None else ""
+    text = [
+        _yaml(meta),
+        f"# LoRA adapter for {base}\n",
+        f"A PEFT LoRA adapter for [{base_id}](https://huggingface.co/{base_id}), " if base_id else
+        f"A PEFT LoRA adapter for the model at `{base}`, ",
+        f"converted with ckptbridge {_version()} from {made}the Tunix/qwix LoRA checkpoint `{source}`.\n\n",
+        _table([
+            ("model family", family),
+            ("rank", str(rank)),
+            ("lora_alpha", f"{alpha:g}"),
+            ("per-module ranks/alphas", f"{patterns} modules (`rank_pattern` / `alpha_pattern`)" if patterns else ""),
+            ("target modules", ", ".join(f"`{m}`" for m in target_modules)),
+            ("exported for", {"vllm": "vLLM (`--target vllm`)", "hf": "transformers + PEFT"}.get(target, target)),
+        ]),
+        "\n## Use\n\n```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
+        f"base = AutoModelForCausalLM.from_pretrained({json.dumps(base)})\n"
+        "model = PeftModel.from_pretrained(base, \"path/or/id/of/this/adapter\")\n```\n",
+        "\n### Framework versions\n\n",
+        f"- PEFT {peft_version}\n" if peft_version else "",
+        f"- ckptbridge {_version()}\n",
+    ]
+    return "".join(text)
+
+
+def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id: str | None, step: int | None,
+                family: str, merged_tensors: int) -> str:
+    """README.md of a model merged from a base and a LoRA adapter."""
+    base = base_id or os.path.abspath(base_path)
+    meta: dict = {}
+    if base_id:
+        meta["base_model"] = [base_id]
+        meta["base_model_relation"] = "merge"
+    meta["library_name"] = "transformers"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = ["ckptbridge", "lora", "merge"]
+    what = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else f"`{os.path.abspath(adapter)}`"
+    made = f" (step {step})" if step is not None else ""
+    return "".join([
+        _yaml(meta),
+        f"# {base} with a LoRA adapter merged in\n\n",
+        f"The LoRA adapter {what}{made} merged into ",
+        f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"the model at `{base}`",
+        f" with ckptbridge {_version()}: W + (alpha / r) B A for each of {merged_tensors} weight tensors, "
+        "accumulated in float32 and stored in the base's dtype; every other tensor is the base's, byte for "
+        "byte. Loads with transformers and vLLM as the base does.\n\n",
+        _table([("model family", family), ("merged tensors", str(merged_tensors))]),
+        f"\n### Framework versions\n\n- ckptbridge {_version()}\n",
+    ])
