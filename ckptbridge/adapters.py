@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import lora, model_card, vllm_lora
+from ckptbridge import hub, lora, model_card, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
@@ -104,6 +104,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
     if base_id is not None and not model_card.is_repo_id(base_id):
         raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
+    base = hub.local(base, hub.CONFIG, what="base model")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
     base_id = model_card.hub_id(b.path, base_id)
@@ -292,6 +293,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         raise ConfigError(f"--kv {kv!r}: choose one of {', '.join(KV_MODES)}")
     if step < 0:
         raise ConfigError(f"--step {step}: must be >= 0")
+    src, base = hub.local(src, hub.ADAPTER, what="adapter"), hub.local(base, hub.CONFIG, what="base model")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
     mismatch = note_mismatch(b.cfg)

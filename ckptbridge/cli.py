@@ -99,6 +99,27 @@ def _base_id_option(sp) -> None:
                     "found from a Hub cache path or the base's config.json; else the card names the local path)")
 
 
+def _hub_refs(sp, *refs: tuple[str, str, str]) -> None:
+    """Arguments of ``sp`` that may be Hub ids, as (attribute, file set of :mod:`ckptbridge.hub`,
+    what); ``--revision`` applies to the first."""
+    first = refs[0][0].replace("_", "-")
+    sp.add_argument("--revision", metavar="REV",
+                    help=f"branch, tag or commit of {first.upper()} when it is a Hub id (default: main; ORG/NAME@REV "
+                    "works for any Hub id)")
+    sp.set_defaults(hub_refs=refs)
+
+
+def _resolve_hub_refs(args) -> None:
+    """Hub ids among the arguments -> local snapshot directories (downloaded where needed)."""
+    from ckptbridge import hub
+
+    for i, (attr, patterns, what) in enumerate(getattr(args, "hub_refs", ())):
+        value = getattr(args, attr)
+        if value is not None:
+            setattr(args, attr, hub.local(value, getattr(hub, patterns), revision=args.revision if i == 0 else None,
+                                          what=what))
+
+
 def cmd_o2p(args) -> int:
     from ckptbridge.adapters import convert_orbax_to_peft
 
@@ -276,13 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
         "key prefix are stored in the checkpoint's metadata, and the tokenizer files beside it.",
         epilog=EPILOG,
     )
-    s2o.add_argument("src", metavar="SRC", help="HF model directory")
+    s2o.add_argument("src", metavar="SRC", help="HF model directory or Hub id (ORG/NAME)")
     s2o.add_argument("dst", metavar="DST", help="Orbax checkpoint directory to create")
     s2o.add_argument("--skip-multimodal", action="store_true",
                      help="convert the text model of a checkpoint that has vision/audio towers and drop the towers")
     s2o.add_argument("--tunix-version", metavar="VERSION",
                      help="write the parameter layouts of this google-tunix version (default: the installed one), "
                      "recorded in the checkpoint; for the few parameters whose layout changed between Tunix versions")
+    _hub_refs(s2o, ("src", "MODEL", "model"))
     common(s2o)
     s2o.set_defaults(func=cmd_s2o)
 
@@ -310,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o2p.add_argument("src", metavar="SRC", help="LoRA checkpoint: root with step directories, a step, or model_params")
     o2p.add_argument("dst", metavar="DST", help="PEFT adapter directory to create")
-    o2p.add_argument("--base", required=True, help="HF base model directory (config and key names; weights not read)")
+    o2p.add_argument("--base", required=True, help="HF base model directory or Hub id (config and key names; "
+                     "weights not read, nor downloaded)")
     o2p.add_argument("--step", type=int, help="step to read from a root (default: latest)")
     o2p.add_argument("--alpha", type=float,
                      help="LoRA alpha, when the checkpoint does not record it (scale = alpha / rank)")
@@ -318,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hf: for transformers/PEFT (default); vllm: also repeat k_proj LoRA as v_proj on "
                      "k_eq_v layers and make rank/alpha uniform")
     _base_id_option(o2p)
+    _hub_refs(o2p, ("base", "CONFIG", "base model"))
     common(o2p)
     o2p.set_defaults(func=cmd_o2p)
 
@@ -328,13 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
         "build the matching LoRA model are stored in the step's custom metadata.",
         epilog=EPILOG,
     )
-    p2o.add_argument("src", metavar="SRC", help="PEFT adapter directory")
+    p2o.add_argument("src", metavar="SRC", help="PEFT adapter directory or Hub id")
     p2o.add_argument("dst", metavar="DST", help="checkpoint root to create")
-    p2o.add_argument("--base", required=True, help="HF base model directory")
+    p2o.add_argument("--base", required=True, help="HF base model directory or Hub id (config and key names; "
+                     "weights not read, nor downloaded)")
     p2o.add_argument("--kv", choices=["exact", "svd"], default="exact",
                      help="k/v with different lora_A: exact (default) stacks them at rank r_k + r_v; svd keeps "
                      "rank r with the best shared A and reports the error")
     p2o.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
+    _hub_refs(p2o, ("base", "CONFIG", "base model"), ("src", "ADAPTER", "adapter"))
     common(p2o)
     p2o.set_defaults(func=cmd_p2o)
 
@@ -343,12 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Merge a PEFT adapter or a Tunix/qwix LoRA checkpoint into the HF base model, tensor by "
         "tensor (float32 accumulation, base dtype kept), writing a sharded HF model directory.",
     )
-    mrg.add_argument("base", metavar="BASE", help="HF base model directory")
-    mrg.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Orbax LoRA checkpoint")
+    mrg.add_argument("base", metavar="BASE", help="HF base model directory or Hub id")
+    mrg.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or an Orbax LoRA checkpoint")
     mrg.add_argument("dst", metavar="DST", help="merged HF model directory to create")
     _orbax_lora_options(mrg)
     mrg.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
     _base_id_option(mrg)
+    _hub_refs(mrg, ("base", "MODEL", "base model"), ("adapter", "ADAPTER", "adapter"))
     common(mrg)
     mrg.set_defaults(func=cmd_merge)
 
@@ -365,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     vl = vsub.add_parser("logits", help="transformers vs Tunix logits on the same tokens", epilog=EPILOG,
                          description="Run transformers on HF_DIR and Tunix on --tunix (default HF_DIR) in float32 "
                          "over a sequence longer than the sliding window; compare logits.")
-    vl.add_argument("hf_dir", metavar="HF_DIR")
+    vl.add_argument("hf_dir", metavar="HF_DIR", help="HF model directory or Hub id")
     vl.add_argument("--tunix", metavar="SRC", help="HF directory or Orbax checkpoint to load into Tunix")
     vl.add_argument("--seq-len", type=int, help="tokens per sequence (default 2 x window + 3)")
     vl.add_argument("--tolerance", type=float, default=1e-5, help="largest relative L2 accepted (default 1e-5)")
@@ -373,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="build the Tunix model even where it computes something else than the HF config says "
                     "(e.g. a RoPE theta Tunix ignores) and measure the gap")
     vl.add_argument("--json", action="store_true")
+    _hub_refs(vl, ("hf_dir", "MODEL", "model"))
     vl.set_defaults(func=cmd_verify_logits)
     vt = vsub.add_parser("tensors", help="bitwise comparison of two HF model directories", epilog=EPILOG)
     vt.add_argument("a", metavar="A")
@@ -386,8 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
         "DoRA / modules_to_save / biases, the recorded base; live: the adapter moves BASE's logits "
         "(transformers+PEFT); exact: transformers+PEFT vs Tunix+qwix logits of the same adapter, converted through "
         "ckptbridge (float32). One line per finding with its fix; exit 6 when the adapter is wrong in its target.")
-    va.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Tunix/qwix Orbax LoRA checkpoint")
-    va.add_argument("--base", required=True, help="HF base model directory")
+    va.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or a Tunix/qwix Orbax LoRA checkpoint")
+    va.add_argument("--base", required=True, help="HF base model directory or Hub id")
     va.add_argument("--target", choices=["hf", "vllm"], default="hf",
                     help="where the adapter will run: hf (transformers/PEFT, default) or vllm")
     toks = va.add_mutually_exclusive_group()
@@ -401,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--live-tolerance", type=float, default=1e-6,
                     help="smallest relative change of the logits that counts as live (default 1e-6)")
     va.add_argument("--json", action="store_true")
+    _hub_refs(va, ("base", "MODEL", "base model"), ("adapter", "ADAPTER", "adapter"))
     va.set_defaults(func=cmd_verify_adapter)
 
     vs = vsub.add_parser(
@@ -425,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:
+        _resolve_hub_refs(args)
         return args.func(args)
     except CkptBridgeError as e:
         print(f"ckptbridge: error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ckptbridge import mapping
+from ckptbridge import hub, mapping
 from ckptbridge.errors import ConfigError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
@@ -53,6 +53,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
         except ValueError as e:
             raise ConfigError(f"--tunix-version: {e}") from None
     target = tunix_version or installed_tunix_version()
+    src = hub.local(src, hub.MODEL)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
         mismatch = note_mismatch(source.cfg)

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ckptbridge import lora, model_card
+from ckptbridge import hub, lora, model_card
 from ckptbridge.errors import ConfigError, MismatchError
 from ckptbridge.io.atomic import check_destination
 from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, HFModelDir, write_model_directory
@@ -115,6 +115,7 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
         raise ConfigError(f"--max-shard-size: {e}") from None
     if base_id is not None and not model_card.is_repo_id(base_id):
         raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
+    base, adapter = hub.local(base, hub.MODEL, what="base model"), hub.local(adapter, hub.ADAPTER, what="adapter")
     check_destination(dst, [base, adapter], overwrite)
     b = open_base(base)
     with HFModelDir(base) as model, lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad, \

@@ -11,6 +11,7 @@ family's prefixes is read; the one found is recorded and written back).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Iterator
 
@@ -18,9 +19,9 @@ import numpy as np
 
 from ckptbridge import mapping
 from ckptbridge.config import ModelConfig, read_config_file
-from ckptbridge.errors import ConfigError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
-from ckptbridge.io.hf import HFModelDir
+from ckptbridge.io.hf import INDEX_NAME, HFModelDir
 from ckptbridge.io.safetensors import numpy_dtype
 from ckptbridge.lora import LoraModule, lora_modules
 from ckptbridge.metadata import Metadata
@@ -346,6 +347,17 @@ class Base:
         return f"{module}.weight"
 
 
+def _index_keys(index_path: str) -> list[str]:
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"{index_path}: not a safetensors index ({e}); re-download it") from None
+    return list(weight_map)
+
+
 def open_base(path: str) -> Base:
     """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
     if not os.path.isdir(path):
@@ -358,6 +370,8 @@ def open_base(path: str) -> Base:
     if any(n.endswith(".safetensors") for n in os.listdir(path)):
         with open_hf_source(path, skip_multimodal=True) as source:
             prefix = source.prefix
+    elif os.path.isfile(os.path.join(path, INDEX_NAME)):  # config and index only (a Hub base whose weights stay there)
+        prefix = find_prefix(spec, _index_keys(os.path.join(path, INDEX_NAME))) or prefix
     module_prefix = spec.module_prefix(prefix)
     return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, module_prefix), module_prefix)
 

@@ -264,3 +264,34 @@ def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha:
     with open(os.path.join(out_dir, lora.ADAPTER_CONFIG), "w") as f:
         json.dump(_adapter_config(base, names, r, lora_alpha, {}, {}), f, indent=2)
     return out_dir
+
+
+def fill_hub_cache(cache_dir: str, repo_id: str, src_dir: str, *, revision: str = "main",
+                   commit: str | None = None) -> str:
+    """Put the files of ``src_dir`` into a Hugging Face cache at ``cache_dir`` as repository
+    ``repo_id`` at ``revision``, in the Hub's own layout (``blobs/<sha256>``, ``snapshots/<commit>/``
+    links to them, ``refs/<revision>``), as ``hf download`` leaves it. Returns the snapshot folder."""
+    import hashlib
+    import shutil
+
+    repo = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    commit = commit or hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+    snapshot = os.path.join(repo, "snapshots", commit)
+    os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if not os.path.isfile(path):
+            continue
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        blob = os.path.join(repo, "blobs", h.hexdigest())
+        if not os.path.exists(blob):
+            shutil.copyfile(path, blob)
+        os.makedirs(snapshot, exist_ok=True)
+        os.symlink(os.path.relpath(blob, snapshot), os.path.join(snapshot, name))
+    with open(os.path.join(repo, "refs", revision), "w") as f:
+        f.write(commit)
+    return snapshot

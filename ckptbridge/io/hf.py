@@ -170,10 +170,19 @@ def copy_assets(names: list[str], src_dir: str, dst_dir: str) -> None:
 
 
 def non_weight_files(directory: str) -> list[str]:
-    """Top-level regular files of ``directory`` that are neither weights nor config.json."""
+    """Top-level regular files of ``directory`` that are neither weights nor config.json (links
+    only into the directory itself or, in a Hub cache snapshot, into its repository's blobs)."""
     return [n for n in sorted(os.listdir(directory))
             if n != "config.json" and not n.startswith(".") and not is_weight_file(n)
-            and os.path.isfile(os.path.join(directory, n)) and not os.path.islink(os.path.join(directory, n))]
+            and os.path.isfile(os.path.join(directory, n)) and _link_kept(directory, n)]
+
+
+def _link_kept(directory: str, name: str) -> bool:
+    try:
+        check_inside(directory, os.path.join(directory, name))
+    except CorruptFileError:
+        return False
+    return True
 
 
 def write_model_directory(dst: str, tensors: list, hf_config: dict, max_shard_bytes: int, *,
