@@ -306,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "recorded in the checkpoint; for the few parameters whose layout changed between Tunix versions")
     _hub_refs(s2o, ("src", "MODEL", "model"))
     common(s2o)
+    s2o.set_defaults(extra="orbax")
     s2o.set_defaults(func=cmd_s2o)
 
     o2s = csub.add_parser(
@@ -322,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     o2s.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)")
     o2s.add_argument("--step", type=int, help="step to read from a checkpoint-manager root (default: latest)")
     common(o2s)
+    o2s.set_defaults(extra="orbax")
     o2s.set_defaults(func=cmd_o2s)
 
     o2p = csub.add_parser(
@@ -343,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     _base_id_option(o2p)
     _hub_refs(o2p, ("base", "CONFIG", "base model"))
     common(o2p)
+    o2p.set_defaults(extra="orbax")
     o2p.set_defaults(func=cmd_o2p)
 
     p2o = csub.add_parser(
@@ -362,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p2o.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
     _hub_refs(p2o, ("base", "CONFIG", "base model"), ("src", "ADAPTER", "adapter"))
     common(p2o)
+    p2o.set_defaults(extra="orbax")
     p2o.set_defaults(func=cmd_p2o)
 
     mrg = sub.add_parser(
@@ -401,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(e.g. a RoPE theta Tunix ignores) and measure the gap")
     vl.add_argument("--json", action="store_true")
     _hub_refs(vl, ("hf_dir", "MODEL", "model"))
+    vl.set_defaults(extra="verify")
     vl.set_defaults(func=cmd_verify_logits)
     vt = vsub.add_parser("tensors", help="bitwise comparison of two HF model directories", epilog=EPILOG)
     vt.add_argument("a", metavar="A")
@@ -445,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--tokens", type=int, default=16, help="greedy tokens to compare (default 16)")
     _orbax_lora_options(vs)
     vs.add_argument("--json", action="store_true")
+    vs.set_defaults(extra="verify")
     vs.set_defaults(func=cmd_verify_served)
     return p
 
@@ -462,6 +468,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptbridge: interrupted; the destination was not written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`ckptbridge inspect X | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except ModuleNotFoundError as e:
+        from ckptbridge.extras import missing_line
+
+        line = missing_line(e, getattr(args, "extra", None))
+        if line is None or os.environ.get("CKPTBRIDGE_DEBUG"):
+            raise
+        print(f"ckptbridge: error: {line}", file=sys.stderr)
+        return 8
     except Exception as e:  # an internal error: one line, details on request
         if os.environ.get("CKPTBRIDGE_DEBUG"):
             raise
