@@ -19,38 +19,62 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
 
-DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U64": np.dtype(np.uint64),
-    "U32": np.dtype(np.uint32),
-    "U16": np.dtype(np.uint16),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
+# safetensors dtype code -> (numpy type name, or ml_dtypes type name, item size)
+_TYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+    "BF16": ("ml_dtypes.bfloat16", 2), "F8_E4M3": ("ml_dtypes.float8_e4m3fn", 1),
+    "F8_E5M2": ("ml_dtypes.float8_e5m2", 1),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
 }
-_CODES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+ITEMSIZE = {code: size for code, (_, size) in _TYPES.items()}
+
+
+class _Dtypes(Mapping):
+    """safetensors dtype code -> numpy dtype; ml_dtypes (about 1 s to import) is imported only
+    when a bfloat16/float8 dtype is asked for, so reading headers and float32 files needs none."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, np.dtype] = {}
+
+    def __getitem__(self, code: str) -> np.dtype:
+        if code not in self._cache:
+            name = _TYPES[code][0]
+            if name.startswith("ml_dtypes."):
+                import ml_dtypes
+
+                self._cache[code] = np.dtype(getattr(ml_dtypes, name.split(".", 1)[1]))
+            else:
+                self._cache[code] = np.dtype(name)
+        return self._cache[code]
+
+    def __contains__(self, code) -> bool:
+        return code in _TYPES
+
+    def __iter__(self):
+        return iter(_TYPES)
+
+    def __len__(self) -> int:
+        return len(_TYPES)
+
+
+DTYPES: Mapping[str, np.dtype] = _Dtypes()
 
 
 def dtype_code(dtype) -> str:
     """numpy/ml_dtypes dtype -> safetensors dtype code (``"BF16"``...)."""
-    try:
-        return _CODES[np.dtype(dtype)]
-    except KeyError:
-        raise MismatchError(f"dtype {dtype} cannot be stored in safetensors") from None
+    dtype = np.dtype(dtype)
+    for code, (name, _) in _TYPES.items():
+        if name.split(".")[-1] == dtype.name and DTYPES[code] == dtype:
+            return code
+    raise MismatchError(f"dtype {dtype} cannot be stored in safetensors")
+
+
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
 def numpy_dtype(code: str) -> np.dtype:
@@ -125,7 +149,7 @@ class SafetensorsFile:
                 or not 0 <= offsets[0] <= offsets[1]
             ):
                 raise CorruptFileError(f"{where}: data_offsets {offsets!r} are invalid; {fix}")
-            nbytes = math.prod(shape) * DTYPES[code].itemsize
+            nbytes = math.prod(shape) * ITEMSIZE[code]
             if offsets[1] - offsets[0] != nbytes:
                 raise CorruptFileError(
                     f"{where}: {code} {tuple(shape)} needs {nbytes} bytes but data_offsets span "
