@@ -19,6 +19,7 @@ import numpy as np
 from ckptbridge import hub, lora, model_card, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
+from ckptbridge.io import storage
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.safetensors import PlannedTensor, write_file
 from ckptbridge.lora import LoraModule, Scaling
@@ -58,7 +59,7 @@ def _step_of(ad: lora.OrbaxLora) -> int | None:
     """The training step of a LoRA checkpoint: recorded, or the name of its step directory."""
     if ad.metadata.step is not None:
         return ad.metadata.step
-    name = os.path.basename(os.path.dirname(os.path.abspath(ad.path)))
+    name = storage.basename(storage.dirname(storage.absolute(ad.path)))
     return int(name) if name.isdigit() else None
 
 
@@ -172,11 +173,11 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
         config = _adapter_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
         card = model_card.adapter_card(
-            base_id=base_id, base_path=b.path, source=os.path.abspath(ad.path), step=_step_of(ad),
+            base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=_step_of(ad),
             rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
             target_modules=sorted({n.rsplit(".", 1)[-1] for n in names}), target=target, family=b.spec.name,
             peft_version=model_card.installed_version("peft"))
-        meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=os.path.abspath(ad.path),
+        meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=storage.absolute(ad.path),
                                          base=os.path.abspath(b.path)).to_json())}
         total = sum(t.nbytes for t in tensors)
         bar = Progress(total, "orbax -> peft", enabled=progress)

@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     s2o.add_argument("src", metavar="SRC", help="HF model directory or Hub id (ORG/NAME)")
-    s2o.add_argument("dst", metavar="DST", help="Orbax checkpoint directory to create")
+    s2o.add_argument("dst", metavar="DST", help="Orbax checkpoint directory to create (local or gs://BUCKET/PATH)")
     s2o.add_argument("--skip-multimodal", action="store_true",
                      help="convert the text model of a checkpoint that has vision/audio towers and drop the towers")
     s2o.add_argument("--tunix-version", metavar="VERSION",
@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(sharded safetensors + index, config.json, tokenizer files).",
         epilog=EPILOG,
     )
-    o2s.add_argument("src", metavar="SRC", help="Orbax checkpoint (or a checkpoint-manager root / step directory)")
+    o2s.add_argument("src", metavar="SRC", help="Orbax checkpoint (or a checkpoint-manager root / step directory), "
+                     "local or gs://BUCKET/PATH")
     o2s.add_argument("dst", metavar="DST", help="HF model directory to create")
     o2s.add_argument("--config", metavar="HF_CONFIG",
                      help="config.json (or its directory) for checkpoints without ckptbridge metadata; "
@@ -332,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model_params) into a PEFT adapter for the HF base model. Reads files only: no model, no accelerator.",
         epilog=EPILOG,
     )
-    o2p.add_argument("src", metavar="SRC", help="LoRA checkpoint: root with step directories, a step, or model_params")
+    o2p.add_argument("src", metavar="SRC", help="LoRA checkpoint: root with step directories, a step, or model_params "
+                     "(local or gs://BUCKET/PATH)")
     o2p.add_argument("dst", metavar="DST", help="PEFT adapter directory to create")
     o2p.add_argument("--base", required=True, help="HF base model directory or Hub id (config and key names; "
                      "weights not read, nor downloaded)")
@@ -356,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     p2o.add_argument("src", metavar="SRC", help="PEFT adapter directory or Hub id")
-    p2o.add_argument("dst", metavar="DST", help="checkpoint root to create")
+    p2o.add_argument("dst", metavar="DST", help="checkpoint root to create (local or gs://BUCKET/PATH)")
     p2o.add_argument("--base", required=True, help="HF base model directory or Hub id (config and key names; "
                      "weights not read, nor downloaded)")
     p2o.add_argument("--kv", choices=["exact", "svd"], default="exact",
@@ -374,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor (float32 accumulation, base dtype kept), writing a sharded HF model directory.",
     )
     mrg.add_argument("base", metavar="BASE", help="HF base model directory or Hub id")
-    mrg.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or an Orbax LoRA checkpoint")
+    mrg.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or an Orbax LoRA checkpoint (local or gs://)")
     mrg.add_argument("dst", metavar="DST", help="merged HF model directory to create")
     _orbax_lora_options(mrg)
     mrg.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")

@@ -16,6 +16,7 @@ import numpy as np
 from ckptbridge import hub, mapping
 from ckptbridge.errors import ConfigError
 from ckptbridge.io import orbax as orbax_io
+from ckptbridge.io import storage
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, copy_assets, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, parse_size
@@ -69,7 +70,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
         with atomic_directory(dst, overwrite) as tmp:
             orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target))
             if assets:
-                copy_assets(assets, source.model.path, os.path.join(tmp, ASSETS_DIR))
+                copy_assets(assets, source.model.path, storage.join(tmp, ASSETS_DIR))
         bar.close()
         return {
             "direction": "safetensors-to-orbax",
@@ -114,10 +115,10 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             for e in source.entries
             for i, key in enumerate(e.hf_keys)
         ]
-        stored_assets = os.path.join(source.ckpt.path, ASSETS_DIR)
+        stored_assets = storage.join(source.ckpt.path, ASSETS_DIR)
         files = write_model_directory(
             dst, planned, source.cfg.hf_config, shard_bytes,
-            assets_from=stored_assets if os.path.isdir(stored_assets) else source.config_dir,
+            assets_from=stored_assets if storage.isdir(stored_assets) else source.config_dir,
             overwrite=overwrite, desc="orbax -> safetensors", progress=progress,
         )
         return {

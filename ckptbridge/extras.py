@@ -6,7 +6,7 @@ from __future__ import annotations
 # top-level module -> the extra of ckptbridge that installs it
 EXTRA_OF = {
     "orbax": "orbax", "tensorstore": "orbax", "jax": "orbax", "jaxlib": "orbax", "etils": "orbax",
-    "huggingface_hub": "hub",
+    "huggingface_hub": "hub", "gcsfs": "gcs",
     "flax": "verify", "qwix": "verify", "tunix": "verify", "torch": "verify", "transformers": "verify",
     "peft": "verify", "safetensors": "verify",
     "grain": "train", "optax": "train",

@@ -120,7 +120,12 @@ def _inspect_peft(path: str) -> dict:
 
 
 def inspect_path(path: str, step: int | None = None) -> dict:
-    """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and summarise it."""
+    """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and summarise it; an
+    Orbax checkpoint may be on Cloud Storage (``gs://``)."""
+    from ckptbridge.io import storage
+
+    if storage.is_remote(path):
+        return _inspect_orbax(path, step)
     if not os.path.exists(path):
         raise InputNotFoundError(f"{path}: no such file or directory")
     if os.path.isfile(path) and path.endswith(".safetensors"):

@@ -629,7 +629,11 @@ def _param_modules(base: Base, cfg: dict) -> dict[str, str]:
 
 
 def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None):
-    """A PEFT adapter directory or a Tunix/qwix Orbax LoRA checkpoint."""
+    """A PEFT adapter directory or a Tunix/qwix Orbax LoRA checkpoint (local or on Cloud Storage)."""
+    from ckptbridge.io import storage
+
+    if storage.is_remote(src):
+        return open_orbax_lora(src, base, step=step, alpha=alpha)
     if not os.path.exists(src):
         raise InputNotFoundError(f"{src}: no such adapter directory")
     if os.path.isfile(os.path.join(src, ADAPTER_CONFIG)):

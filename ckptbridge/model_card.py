@@ -125,7 +125,8 @@ def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id
     meta["library_name"] = "transformers"
     meta["pipeline_tag"] = "text-generation"
     meta["tags"] = ["ckptbridge", "lora", "merge"]
-    what = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else f"`{os.path.abspath(adapter)}`"
+    what = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else \
+        f"`{adapter if adapter.startswith('gs://') else os.path.abspath(adapter)}`"
     made = f" (step {step})" if step is not None else ""
     return "".join([
         _yaml(meta),

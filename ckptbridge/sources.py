@@ -44,7 +44,10 @@ def more(items: list, what: str = "") -> str:
 
 
 def is_hf_directory(path: str) -> bool:
-    """An HF model directory (config.json, no Orbax ``_METADATA``) rather than an Orbax checkpoint."""
+    """An HF model directory (config.json, no Orbax ``_METADATA``) rather than an Orbax checkpoint
+    (which is what a ``gs://`` path is)."""
+    if orbax_io.storage.is_remote(path):
+        return False
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "_METADATA"))
 
 

@@ -8,6 +8,7 @@ import shutil
 
 from ckptbridge.config import read_config_file
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.io import storage
 from ckptbridge.io.safetensors import SafetensorsFile, TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -164,6 +165,11 @@ class HFModelDir:
 
 
 def copy_assets(names: list[str], src_dir: str, dst_dir: str) -> None:
+    """Copy the files ``names`` from ``src_dir`` to ``dst_dir`` (either may be on Cloud Storage)."""
+    if storage.is_remote(src_dir) or storage.is_remote(dst_dir):
+        for name in names:
+            storage.write_bytes(storage.join(dst_dir, name), storage.read_bytes(storage.join(src_dir, name)))
+        return
     os.makedirs(dst_dir, exist_ok=True)
     for name in names:
         shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
@@ -172,6 +178,10 @@ def copy_assets(names: list[str], src_dir: str, dst_dir: str) -> None:
 def non_weight_files(directory: str) -> list[str]:
     """Top-level regular files of ``directory`` that are neither weights nor config.json (links
     only into the directory itself or, in a Hub cache snapshot, into its repository's blobs)."""
+    if storage.is_remote(directory):
+        return [n for n in sorted(storage.listdir(directory))
+                if n != "config.json" and not n.startswith(".") and not is_weight_file(n)
+                and storage.isfile(storage.join(directory, n))]
     return [n for n in sorted(os.listdir(directory))
             if n != "config.json" and not n.startswith(".") and not is_weight_file(n)
             and os.path.isfile(os.path.join(directory, n)) and _link_kept(directory, n)]

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError
+from ckptbridge.io import storage
 from ckptbridge.metadata import KEY as METADATA_KEY
 from ckptbridge.metadata import Metadata
 
@@ -101,7 +101,7 @@ def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None =
     """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``."""
     ocp = _ocp()
     with ocp.Checkpointer(_handler()) as ckptr:
-        ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
+        ckptr.save(storage.absolute(path), args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
 
 
 def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_metadata: dict | None = None,
@@ -110,29 +110,33 @@ def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_meta
     (an Orbax CheckpointManager with a PyTree item), with ``custom_metadata`` on the step."""
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    with ocp.CheckpointManager(os.path.abspath(root), item_handlers={item: _handler()}, options=options) as mngr:
+    with ocp.CheckpointManager(storage.absolute(root), item_handlers={item: _handler()}, options=options) as mngr:
         mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}),
                   custom_metadata=custom_metadata or {}, force=True)
         mngr.wait_until_finished()
-    return os.path.join(root, str(step), item)
+    return storage.join(root, str(step), item)
 
 
 def _looks_like_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "_METADATA"))
+    """``_METADATA`` is there: Orbax writes it once every array is written (on disk into a
+    temporary directory renamed at the end; on Cloud Storage in place, then its commit file), and
+    ckptbridge copies it last into a Cloud Storage destination."""
+    return storage.isfile(storage.join(path, "_METADATA")) and ".orbax-checkpoint-tmp" not in storage.basename(path)
 
 
 def resolve_checkpoint(path: str, step: int | None = None, item: str = "model_params") -> str:
-    """Find the Orbax item directory in ``path``: the path itself, ``path/<item>``, or, for a
-    checkpoint-manager root, ``path/<step>/<item>`` (latest step by default)."""
-    if not os.path.exists(path):
+    """Find the Orbax item directory in ``path`` (a local directory or ``gs://``): the path itself,
+    ``path/<item>``, or, for a checkpoint-manager root, ``path/<step>/<item>`` (latest step by
+    default)."""
+    if not storage.exists(path):
         raise InputNotFoundError(f"{path}: no such directory")
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise InputNotFoundError(f"{path}: not a directory; give an Orbax checkpoint directory")
     if step is None and _looks_like_checkpoint(path):
-        return path
-    if step is None and _looks_like_checkpoint(os.path.join(path, item)):
-        return os.path.join(path, item)
-    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+        return storage.absolute(path) if storage.is_remote(path) else path
+    if step is None and _looks_like_checkpoint(storage.join(path, item)):
+        return storage.join(path, item)
+    steps = sorted(int(n) for n in storage.listdir(path) if n.isdigit() and storage.isdir(storage.join(path, n)))
     if step is not None:
         if step not in steps:
             raise InputNotFoundError(
@@ -140,7 +144,7 @@ def resolve_checkpoint(path: str, step: int | None = None, item: str = "model_pa
             )
         steps = [step]
     for s in reversed(steps):
-        for candidate in (os.path.join(path, str(s), item), os.path.join(path, str(s))):
+        for candidate in (storage.join(path, str(s), item), storage.join(path, str(s))):
             if _looks_like_checkpoint(candidate):
                 return candidate
     raise InputNotFoundError(
@@ -170,8 +174,7 @@ def nest(flat: Mapping[Path, Any]) -> dict:
 
 def _read_json(path: str):
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        return json.loads(storage.read_bytes(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
 
@@ -179,7 +182,7 @@ def _read_json(path: str):
 def step_custom_metadata(path: str) -> dict:
     """``custom_metadata`` of the ``_CHECKPOINT_METADATA`` JSON that Orbax writes into a checkpoint
     or checkpoint-manager step directory (``save(..., custom_metadata=...)``); {} when absent or damaged."""
-    meta = _read_json(os.path.join(path, "_CHECKPOINT_METADATA"))
+    meta = _read_json(storage.join(path, "_CHECKPOINT_METADATA"))
     custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
     return dict(custom) if isinstance(custom, dict) else {}
 
@@ -205,7 +208,7 @@ class _TensorstoreLeaves:
 
     @classmethod
     def open(cls, path: str) -> "_TensorstoreLeaves | None":
-        meta = _read_json(os.path.join(path, "_METADATA"))
+        meta = _read_json(storage.join(path, "_METADATA"))
         tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
         if not isinstance(tree, dict) or not tree:
             return None
@@ -222,17 +225,17 @@ class _TensorstoreLeaves:
             if "/" in names[keys] or names[keys].startswith("."):  # never a name Orbax writes; not a path to follow
                 return None
         ocdbt = meta.get("use_ocdbt") is True
-        if ocdbt != os.path.isfile(os.path.join(path, "manifest.ocdbt")):
+        if ocdbt != storage.isfile(storage.join(path, "manifest.ocdbt")):
             return None
         driver = "zarr3" if meta.get("use_zarr3") is True else "zarr"
         import tensorstore as ts  # imported here: a few hundred ms, only when reading Orbax
 
         context = ts.Context(cls.CONTEXT)
-        base = {"driver": "file", "path": path + "/"}
+        base = storage.kvstore(path)
 
         def spec(name: str) -> dict:
             kv = ({"driver": "ocdbt", "base": base, "path": name, "cache_pool": "cache_pool#ocdbt"} if ocdbt
-                  else {"driver": "file", "path": os.path.join(path, name) + "/"})
+                  else storage.kvstore(storage.join(path, name)))
             return {"driver": driver, "kvstore": kv, "recheck_cached_data": False,
                     "recheck_cached_metadata": False, "fill_missing_data_reads": False}
 
@@ -323,7 +326,7 @@ class OrbaxCheckpoint:
 
     def __init__(self, path: str):
         # Orbax resolves relative paths inconsistently (metadata of a relative path reads as None).
-        self.path = path = os.path.abspath(path)
+        self.path = path = storage.absolute(path)
         if not _looks_like_checkpoint(path):
             raise InputNotFoundError(f"{path}: not an Orbax checkpoint (no _METADATA file)")
         direct = _TensorstoreLeaves.open(path)
@@ -331,7 +334,7 @@ class OrbaxCheckpoint:
         self.reader = "tensorstore" if direct is not None else "orbax"
         self.custom_metadata: dict = getattr(self._impl, "custom_metadata", None) or step_custom_metadata(path)
         if not self.custom_metadata:  # an item of a checkpoint-manager step: metadata sits on the step
-            self.custom_metadata = step_custom_metadata(os.path.dirname(path))
+            self.custom_metadata = step_custom_metadata(storage.dirname(path))
         self.leaves: dict[Path, tuple[tuple[int, ...], np.dtype]] = self._impl.leaves
 
     @property
