@@ -143,3 +143,17 @@ def test_a_failed_write_leaves_nothing(gcs, made, monkeypatch):
     with pytest.raises(RuntimeError, match="killed"):
         convert_safetensors_to_orbax(made["base"], "gs://bkt/failed/orbax", progress=False)
     assert not gcs.exists("bkt/failed/orbax") and gcs.find("bkt/failed") == []
+    # what a killed run leaves (its temporary prefix, no _METADATA at the destination) is not a
+    # checkpoint, and the next run on this machine removes it
+    import socket
+
+    host = "".join(c for c in socket.gethostname() if c.isalnum() or c == "-")[:40]
+    leftover = f"bkt/failed/.orbax.ckptbridge-tmp-{host}-999999999.abcd/out/_CHECKPOINT_METADATA"
+    gcs.pipe(leftover, b"{}")
+    gcs.pipe("bkt/failed/orbax/d/partial", b"x")
+    cli = run_cli("convert", "orbax-to-safetensors", "gs://bkt/failed/orbax", "unused")
+    assert cli.returncode == 3 and "not an Orbax checkpoint" in cli.stderr, cli.stderr
+    monkeypatch.undo()
+    convert_safetensors_to_orbax(made["base"], "gs://bkt/failed/orbax", progress=False, overwrite=True)
+    gcs.invalidate_cache()
+    assert not [p for p in gcs.ls("bkt/failed") if "ckptbridge-tmp" in p] and gcs.exists("bkt/failed/orbax/_METADATA")

@@ -145,7 +145,14 @@ def _remote_atomic_directory(dst: str, overwrite: bool) -> Iterator[str]:
     dst = storage.absolute(dst)
     parent, name = storage.dirname(dst), storage.basename(dst)
     host = "".join(c for c in socket.gethostname() if c.isalnum() or c == "-")[:40]
-    tmp = storage.join(parent, f".{name}{TMP_MARK}{host}-{os.getpid()}.{secrets.token_hex(4)}")
+    mine = f".{name}{TMP_MARK}{host}-"
+    if storage.exists(parent):  # leftovers of this machine's killed runs (others' cannot be told apart)
+        for entry in storage.listdir(parent):
+            pid = entry[len(mine):].split(".", 1)[0]
+            if entry.startswith(mine) and pid.isdigit() and not _pid_alive(int(pid)):
+                storage.remove_tree(storage.join(parent, entry))
+                log.info("removed leftover %s of an interrupted run", storage.join(parent, entry))
+    tmp = storage.join(parent, f"{mine}{os.getpid()}.{secrets.token_hex(4)}")
     try:
         yield storage.join(tmp, "out")
         out = storage.join(tmp, "out")
