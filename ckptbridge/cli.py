@@ -388,9 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="say what a checkpoint is", epilog=EPILOG,
                          description="Identify PATH (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and "
                          "summarise it: family, layer kinds, dtypes, parameter count, metadata.")
-    ins.add_argument("path", metavar="PATH")
+    ins.add_argument("path", metavar="PATH", help="HF model, Orbax checkpoint (local or gs://), PEFT adapter, "
+                     "a .safetensors file, or a Hub id")
     ins.add_argument("--step", type=int, help="step of a checkpoint-manager root (default: latest)")
     ins.add_argument("--json", action="store_true", help="print JSON")
+    _hub_refs(ins, ("path", "MODEL", "model"))
     ins.set_defaults(func=cmd_inspect)
 
     ver = sub.add_parser("verify", help="check a conversion", description="Check a conversion.", epilog=EPILOG)
@@ -410,9 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     vl.set_defaults(extra="verify")
     vl.set_defaults(func=cmd_verify_logits)
     vt = vsub.add_parser("tensors", help="bitwise comparison of two HF model directories", epilog=EPILOG)
-    vt.add_argument("a", metavar="A")
-    vt.add_argument("b", metavar="B")
+    vt.add_argument("a", metavar="A", help="HF model directory or Hub id")
+    vt.add_argument("b", metavar="B", help="HF model directory or Hub id")
     vt.add_argument("--json", action="store_true")
+    _hub_refs(vt, ("a", "MODEL", "model"), ("b", "MODEL", "model"))
     vt.set_defaults(func=cmd_verify_tensors)
 
     va = vsub.add_parser(

@@ -89,6 +89,10 @@ def test_peft_to_orbax_and_s2o_with_ids(offline, tmp_path):
     assert cli.returncode == 0, cli.stderr
     back = run_cli("convert", "orbax-to-safetensors", str(tmp_path / "orbax"), str(tmp_path / "back"), "--quiet")
     assert back.returncode == 0 and compare_tensors(offline["base"], str(tmp_path / "back"))["identical"]
+    same = run_cli("verify", "tensors", "acme/tiny-gemma@v1", str(tmp_path / "back"))
+    assert same.returncode == 0 and "identical" in same.stdout, same.stderr
+    info = run_cli("inspect", "acme/tiny-gemma", "--json")
+    assert info.returncode == 0 and '"family": "gemma4"' in info.stdout, info.stderr
 
 
 @pytest.mark.parametrize("argv, message", [

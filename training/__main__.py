@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes as for ckptbridge: 3 input not found, 4 corrupt file, 5 unsupported, 8 configuration.",
     )
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="recipe to start from")
-    p.add_argument("--base", required=True, help="HF base model directory (with tokenizer and chat template)")
+    p.add_argument("--base", required=True, help="HF base model directory (with tokenizer and chat template), or its "
+                   "Hub id (ORG/NAME[@REV]: from the Hugging Face cache, downloaded where needed)")
     p.add_argument("--data", default=SAMPLE_DATA, help="training rows, jsonl (default: the bundled sample)")
     p.add_argument("--out", required=True, help="run directory (config, metrics, checkpoints); re-use to resume")
     p.add_argument("--config", help="YAML or JSON file of settings")
@@ -68,7 +69,9 @@ def main(argv=None) -> int:
         from training.trainer import train
 
         init_distributed()
-        summary = train(cfg, base=args.base, data_path=args.data, out=args.out,
+        from ckptbridge import hub
+
+        summary = train(cfg, base=hub.local(args.base, hub.MODEL, what="base model"), data_path=args.data, out=args.out,
                         progress=False if args.quiet else None)
     except CkptBridgeError as e:
         print(f"training: error: {e}", file=sys.stderr)
