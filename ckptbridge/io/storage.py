@@ -115,12 +115,6 @@ def copy_tree(src: str, dst: str, *, last: tuple[str, ...] = ()) -> None:
     fs.invalidate_cache()
 
 
-def invalidate() -> None:
-    """Forget cached listings (after writing)."""
-    if _gcs.cache_info().currsize:
-        _gcs().invalidate_cache()
-
-
 def kvstore(path: str) -> dict:
     """The TensorStore key-value store of directory ``path`` (``file`` or ``gcs``)."""
     if is_remote(path):
