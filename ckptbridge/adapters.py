@@ -330,7 +330,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "peft -> orbax", enabled=progress)
         for leaf in flat.values():
-            leaf.on_written = lambda n=leaf.nbytes: bar.update(n)
+            leaf.on_written = bar.update
         with atomic_directory(dst, overwrite) as tmp:
             orbax_io.save_manager_step(tmp, step, orbax_io.nest(flat), meta)
         bar.close()

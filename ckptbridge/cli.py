@@ -26,6 +26,7 @@ from typing import Sequence
 
 from ckptbridge import __version__
 from ckptbridge.errors import CkptBridgeError
+from ckptbridge.io import DEFAULT_CHUNK_SIZE
 
 EPILOG = "Exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, 8 config, 1 internal."
 
@@ -76,6 +77,7 @@ def cmd_s2o(args) -> int:
 
     r = convert_safetensors_to_orbax(args.src, args.dst, overwrite=args.overwrite,
                                      skip_multimodal=args.skip_multimodal, tunix_version=args.tunix_version,
+                                     chunk_size=args.chunk_size, compression=not args.no_compression,
                                      progress=_progress(args))
     text = _conversion_text(r)
     if r["towers_dropped"]:
@@ -88,7 +90,8 @@ def cmd_o2s(args) -> int:
     from ckptbridge.convert import convert_orbax_to_safetensors
 
     r = convert_orbax_to_safetensors(args.src, args.dst, config=args.config, max_shard_size=args.max_shard_size,
-                                     step=args.step, overwrite=args.overwrite, progress=_progress(args))
+                                     step=args.step, overwrite=args.overwrite, chunk_size=args.chunk_size,
+                                     progress=_progress(args))
     _emit(args, r, _conversion_text(r) + f"\n  files: {', '.join(r['files'])}")
     return 0
 
@@ -304,9 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     s2o.add_argument("--tunix-version", metavar="VERSION",
                      help="write the parameter layouts of this google-tunix version (default: the installed one), "
                      "recorded in the checkpoint; for the few parameters whose layout changed between Tunix versions")
+    s2o.add_argument("--chunk-size", default=DEFAULT_CHUNK_SIZE, metavar="SIZE",
+                     help=f"a tensor larger than this is converted and stored in row blocks of at most this size, "
+                     f"each one chunk of the Orbax array; memory is a few of them (default {DEFAULT_CHUNK_SIZE}; "
+                     "smaller tensors are one chunk each, as Orbax stores them)")
+    s2o.add_argument("--no-compression", action="store_true",
+                     help="store the chunks without zstd: faster to write and read, larger on disk")
     _hub_refs(s2o, ("src", "MODEL", "model"))
     common(s2o)
     s2o.set_defaults(extra="orbax")
+    s2o.set_defaults(huge_pages=True)  # large TensorStore buffers (ckptbridge.hugepages)
     s2o.set_defaults(func=cmd_s2o)
 
     o2s = csub.add_parser(
@@ -323,8 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "non-weight files beside it are copied too")
     o2s.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)")
     o2s.add_argument("--step", type=int, help="step to read from a checkpoint-manager root (default: latest)")
+    o2s.add_argument("--chunk-size", default=DEFAULT_CHUNK_SIZE, metavar="SIZE",
+                     help=f"a tensor larger than this is read, rearranged and written in blocks of about this size "
+                     f"(whole stored chunks: a checkpoint stored in larger chunks is read a chunk at a time; "
+                     f"default {DEFAULT_CHUNK_SIZE})")
     common(o2s)
     o2s.set_defaults(extra="orbax")
+    o2s.set_defaults(huge_pages=True)  # large TensorStore buffers (ckptbridge.hugepages)
     o2s.set_defaults(func=cmd_o2s)
 
     o2p = csub.add_parser(
@@ -462,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and getattr(args, "huge_pages", False):
+        from ckptbridge import hugepages
+
+        if hugepages.wanted():
+            hugepages.reexec(sys.argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:

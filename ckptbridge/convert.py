@@ -7,14 +7,18 @@ destination and rename it into place at the end.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import numpy as np
 
 from ckptbridge import hub, mapping
 from ckptbridge.errors import ConfigError
+from ckptbridge.io import DEFAULT_CHUNK_SIZE
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
 from ckptbridge.io.atomic import atomic_directory, check_destination
@@ -23,7 +27,7 @@ from ckptbridge.io.safetensors import PlannedTensor, parse_size
 from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.progress import Progress
 from ckptbridge.specs.base import tunix_version_key
-from ckptbridge.sources import ASSETS_DIR, HFSource, open_hf_source, open_orbax_source
+from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
 from ckptbridge.tunix_model import note_mismatch
 
 log = logging.getLogger(__name__)
@@ -38,16 +42,46 @@ def _metadata(source: HFSource, kind: str, assets: list[str], tunix_version: str
     ).to_json()}
 
 
+def _chunk_bytes(chunk_size: str | int) -> int:
+    try:
+        return parse_size(chunk_size)
+    except ValueError as e:
+        raise ConfigError(f"--chunk-size: {e}") from None
+
+
+def _per_block(blocks: mapping.Blocks, nbytes: int, chunk_bytes: int) -> int:
+    """Indices of ``blocks.axis`` per block of at most ``chunk_bytes`` (at least one)."""
+    return max(1, chunk_bytes // max(1, nbytes // blocks.count))
+
+
+def _leaf(source: HFSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyArray:
+    """The Orbax leaf of ``e``: whole, or in row blocks of at most ``chunk_bytes`` when larger."""
+    dtype = source.dtype(e)
+    nbytes = int(np.prod(e.tunix_shape, dtype=np.int64)) * dtype.itemsize
+    blocks = mapping.blocks(e)
+    if blocks is None or nbytes <= chunk_bytes:
+        return orbax_io.LazyArray(e.tunix_shape, dtype, produce=lambda: source.tunix_value(e))
+    per = _per_block(blocks, nbytes, chunk_bytes)
+    return orbax_io.LazyArray(e.tunix_shape, dtype, chunks=blocks.tunix_block_shape(per),
+                              blocks=lambda: source.tunix_blocks(blocks, blocks.ranges(per)))
+
+
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
                                  skip_multimodal: bool = False, tunix_version: str | None = None,
+                                 chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
                                  progress: bool | None = None) -> dict:
     """HF model directory -> Orbax checkpoint of the Tunix nnx state (nested dict, source dtypes).
 
     The tree has the layouts of Tunix ``tunix_version`` (default: the installed google-tunix;
     without one, the layouts of the version the specs were written against), recorded in the
-    checkpoint's metadata. Returns a report dict (tensors, bytes, seconds, key prefix, layer kinds).
+    checkpoint's metadata. A tensor larger than ``chunk_size`` is read, rearranged and written
+    in row blocks of at most that size, each one chunk of the stored array, so memory stays a
+    few chunks however large the tensor; smaller ones are one chunk each, as Orbax writes them.
+    ``compression=False`` stores the chunks without zstd (faster, larger). Returns a report
+    dict (tensors, bytes, seconds, key prefix, layer kinds).
     """
     t0 = time.perf_counter()
+    chunk_bytes = _chunk_bytes(chunk_size)
     if tunix_version is not None:
         try:
             tunix_version_key(tunix_version)
@@ -58,17 +92,16 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
         mismatch = note_mismatch(source.cfg)
-        flat = {
-            e.tunix_path: orbax_io.LazyArray(e.tunix_shape, source.dtype(e), produce=lambda e=e: source.tunix_value(e))
-            for e in mapping.for_tunix_version(source.entries, target)
-        }
+        flat = {e.tunix_path: _leaf(source, e, chunk_bytes)
+                for e in mapping.for_tunix_version(source.entries, target)}
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "safetensors -> orbax", enabled=progress)
         for leaf in flat.values():
-            leaf.on_written = lambda n=leaf.nbytes: bar.update(n)
+            leaf.on_written = bar.update
         assets = source.model.asset_files()
         with atomic_directory(dst, overwrite) as tmp:
-            orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target))
+            orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target),
+                               compression=compression, ahead_bytes=2 * chunk_bytes)
             if assets:
                 copy_assets(assets, source.model.path, storage.join(tmp, ASSETS_DIR))
         bar.close()
@@ -83,38 +116,97 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             "bytes": total,
             "towers_dropped": len(source.tower_keys),
             "tunix_version": target,
+            "chunk_bytes": chunk_bytes,
+            "compression": compression,
             "config_mismatch": mismatch,
             "seconds": round(time.perf_counter() - t0, 3),
         }
 
 
+def _converted_ahead(pool: ThreadPoolExecutor, blocks: mapping.Blocks, boxes) -> Iterator[np.ndarray]:
+    """The HF row blocks of ``boxes`` (``(i, j, box)`` in order), each waited for and rearranged
+    on ``pool`` (one thread) while the caller writes the one before."""
+    it = iter(boxes)
+
+    def job() -> np.ndarray | None:
+        item = next(it, None)
+        return None if item is None else blocks.to_hf(item[2], item[0], item[1])
+
+    pending = [pool.submit(job)]
+    while True:
+        block = pending.pop(0).result()
+        if block is None:
+            return
+        pending.append(pool.submit(job))
+        yield block
+        del block
+
+
+def _hf_tensors(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int,
+                pool: ThreadPoolExecutor) -> list[PlannedTensor]:
+    """The HF tensors of ``e`` to write: from the whole leaf, or from boxes of it of about
+    ``chunk_bytes`` (whole stored chunks) when it is larger and can be read in boxes."""
+    dtype = source.dtype(e)
+    blocks = mapping.blocks(e) if source.nbytes(e) > chunk_bytes else None
+    ranges = source.block_ranges(blocks, chunk_bytes) if blocks is not None else None
+    if ranges is None or len(ranges) < 2:
+        cache: dict = {}
+
+        def whole(i: int) -> np.ndarray:
+            if "values" not in cache:
+                cache["values"] = mapping.tunix_to_hf(e, source.tunix_value(e))
+            out = cache["values"][i]
+            if i == len(e.hf_keys) - 1:  # written in order: the last one frees the leaf
+                cache.clear()
+            return out
+
+        return [PlannedTensor(key, dtype, e.hf_shape, lambda i=i: whole(i)) for i, key in enumerate(e.hf_keys)]
+    if not blocks.keyed:  # one HF tensor, written as its row blocks come
+        rows = lambda: _converted_ahead(pool, blocks, source.tunix_blocks(blocks, ranges))  # noqa: E731
+        return [PlannedTensor(e.hf_keys[0], dtype, e.hf_shape, chunks=rows)]
+    # one HF tensor per index: each from the block that holds it, blocks read in order
+    state: dict = {"it": None, "block": None}
+
+    def key_tensor(n: int) -> np.ndarray:
+        block = state["block"]
+        if block is None or not block[0] <= n < block[1]:
+            if state["it"] is None:
+                state["it"] = source.tunix_blocks(blocks, ranges)
+            state["block"] = None
+            i, j, box = next(state["it"])
+            if not i <= n < j:
+                raise RuntimeError(f"{e.tunix_name}: index {n} requested out of order")
+            block = state["block"] = (i, j, blocks.to_hf(box, i, j))
+            del box
+        out = block[2][n - block[0]]
+        if n + 1 == block[1]:
+            state["block"] = None
+        return out
+
+    return [PlannedTensor(key, dtype, e.hf_shape, lambda n=n: key_tensor(n)) for n, key in enumerate(e.hf_keys)]
+
+
 def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = None,
                                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                                  step: int | None = None, overwrite: bool = False,
+                                 chunk_size: str | int = DEFAULT_CHUNK_SIZE,
                                  progress: bool | None = None) -> dict:
     """Orbax weights checkpoint -> HF model directory (sharded safetensors + index, config.json,
-    and the non-weight files stored with the checkpoint or next to ``config``)."""
+    and the non-weight files stored with the checkpoint or next to ``config``). A leaf larger
+    than ``chunk_size`` is read, rearranged and written in boxes of about that size (whole
+    stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor)."""
     t0 = time.perf_counter()
+    chunk_bytes = _chunk_bytes(chunk_size)
     try:
         shard_bytes = parse_size(max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
     check_destination(dst, [src] + ([config] if config else []), overwrite)
-    with open_orbax_source(src, config=config, step=step) as source:
+    with open_orbax_source(src, config=config, step=step) as source, contextlib.ExitStack() as stack:
         mismatch = note_mismatch(source.cfg)
-        cache: dict = {}
-
-        def produce(entry: mapping.Entry, i: int) -> np.ndarray:
-            if cache.get("entry") is not entry:
-                cache.clear()
-                cache["entry"], cache["values"] = entry, mapping.tunix_to_hf(entry, source.tunix_value(entry))
-            return cache["values"][i]
-
-        planned = [
-            PlannedTensor(key, source.dtype(e), e.hf_shape, lambda e=e, i=i: produce(e, i))
-            for e in source.entries
-            for i, key in enumerate(e.hf_keys)
-        ]
+        source.read_ahead_max = chunk_bytes
+        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="o2s"))
+        planned = [t for e in source.entries for t in _hf_tensors(source, e, chunk_bytes, pool)]
         stored_assets = storage.join(source.ckpt.path, ASSETS_DIR)
         files = write_model_directory(
             dst, planned, source.cfg.hf_config, shard_bytes,

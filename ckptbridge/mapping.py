@@ -130,3 +130,73 @@ def tunix_to_hf(entry: Entry, value: np.ndarray) -> list[np.ndarray]:
     """The Tunix parameter of one entry -> its HF tensor(s), in ``entry.hf_keys`` order."""
     y = layout.rearrange(value, entry.tunix_layout, entry.hf_stacked_layout, entry.sizes)
     return [y[i] for i in range(len(entry.hf_keys))] if entry.rule.stack_axis else [y]
+
+
+# --------------------------------------------------------------------------- row blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """``entry`` cut along the first axis of its HF layout (``axis``; the stack axis when there is
+    one HF key per index), so that a range ``i:j`` of that axis is a contiguous run of rows on
+    the HF side and a box on the Tunix side: every layout change of the spec tables keeps ``axis``
+    first in its Tunix axis group. Tensors larger than memory should hold are converted block by
+    block this way, each block rearranged on its own."""
+
+    entry: Entry
+    axis: str
+    count: int  # size of ``axis``
+    hf_rows: int  # rows of the HF tensor per index of ``axis`` (0 when each index is one HF key)
+    tunix_dim: int  # the Tunix dimension ``axis`` lies in
+    tunix_step: int  # length along ``tunix_dim`` per index of ``axis``
+
+    @property
+    def keyed(self) -> bool:
+        """Each index of ``axis`` is one HF key (a fused or stacked row)."""
+        return self.hf_rows == 0
+
+    def sizes(self, i: int, j: int) -> dict:
+        return {**self.entry.sizes, self.axis: j - i}
+
+    def tunix_region(self, i: int, j: int) -> tuple[slice, ...]:
+        """The box of the Tunix parameter that indices ``i:j`` of ``axis`` fill."""
+        ndim = len(self.entry.tunix_shape)
+        return tuple(slice(i * self.tunix_step, j * self.tunix_step) if d == self.tunix_dim else slice(None)
+                     for d in range(ndim))
+
+    def tunix_block_shape(self, n: int) -> tuple[int, ...]:
+        """The shape of the Tunix box of ``n`` indices."""
+        shape = list(self.entry.tunix_shape)
+        shape[self.tunix_dim] = n * self.tunix_step
+        return tuple(shape)
+
+    def to_tunix(self, hf_block: np.ndarray, i: int, j: int) -> np.ndarray:
+        """Indices ``i:j`` in the HF stacked layout -> the Tunix box."""
+        return layout.rearrange(hf_block, self.entry.hf_stacked_layout, self.entry.tunix_layout, self.sizes(i, j))
+
+    def to_hf(self, tunix_block: np.ndarray, i: int, j: int) -> np.ndarray:
+        """The Tunix box of indices ``i:j`` -> those indices in the HF stacked layout."""
+        return layout.rearrange(tunix_block, self.entry.tunix_layout, self.entry.hf_stacked_layout, self.sizes(i, j))
+
+    def ranges(self, per_block: int, align: int = 1) -> list[tuple[int, int]]:
+        """``(i, j)`` ranges of ``axis`` of ``per_block`` indices each (a multiple of ``align``, at
+        least ``align``), the last one shorter."""
+        step = max(align, per_block // align * align)
+        return [(i, min(i + step, self.count)) for i in range(0, self.count, step)]
+
+
+def blocks(entry: Entry) -> Blocks | None:
+    """How ``entry`` splits into row blocks (None when it cannot: HF has no tensor of it here, or
+    its leading axis is not first in its Tunix group)."""
+    if not entry.hf_keys:
+        return None
+    hf_groups = layout.parse(entry.hf_stacked_layout)
+    axis = hf_groups[0][0]
+    tunix_groups = layout.parse(entry.tunix_layout)
+    dim = next(d for d, g in enumerate(tunix_groups) if axis in g)
+    if tunix_groups[dim][0] != axis:
+        return None
+    prod = lambda names: int(np.prod([entry.sizes[a] for a in names], dtype=np.int64))  # noqa: E731
+    keyed = entry.rule.stack_axis is not None
+    return Blocks(entry, axis, int(entry.sizes[axis]), 0 if keyed else prod(hf_groups[0][1:]), dim,
+                  prod(tunix_groups[dim][1:]))

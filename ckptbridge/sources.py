@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Iterator
 
@@ -29,6 +30,7 @@ from ckptbridge.qwix_lora import is_lora_leaf
 from ckptbridge.specs import FamilySpec, family_for
 
 ASSETS_DIR = "hf_assets"
+READ_AHEAD = 2  # boxes of a leaf read in the background while one is converted (OrbaxSource.tunix_blocks)
 
 
 def _layer_note(entry: mapping.Entry) -> str:
@@ -76,6 +78,22 @@ class HFSource:
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         keys = entry.hf_keys or next(e.hf_keys for e in self.entries if e.hf_keys)
         return numpy_dtype(self.model.info(keys[0]).dtype)
+
+    def hf_block(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray:
+        """Indices ``i:j`` of the leading axis of ``blocks.entry``, in its HF stacked layout, read
+        from disk (rows of its one tensor, or its tensors ``i:j``)."""
+        keys = blocks.entry.hf_keys
+        if not blocks.keyed:
+            return self.model.file_of(keys[0]).rows(keys[0], i * blocks.hf_rows, j * blocks.hf_rows)
+        out = np.empty((j - i, *blocks.entry.hf_shape), self.dtype(blocks.entry))
+        for n, key in enumerate(keys[i:j]):
+            out[n] = self.model.array(key)
+        return out
+
+    def tunix_blocks(self, blocks: mapping.Blocks, ranges: list[tuple[int, int]]):
+        """``(region, values)`` of the Tunix parameter for each ``(i, j)`` of ``ranges``."""
+        for i, j in ranges:
+            yield blocks.tunix_region(i, j), blocks.to_tunix(self.hf_block(blocks, i, j), i, j)
 
     def close(self) -> None:
         self.model.close()
@@ -177,6 +195,7 @@ class OrbaxSource:
     config_dir: str | None  # where non-weight files come from when not stored in the checkpoint
     _pending: tuple | None = None  # (entry, started read) of the leaf read ahead
     _next: dict | None = None
+    read_ahead_max: int | None = None  # leaves larger than this (bytes) are not read ahead whole
 
     def path_of(self, entry: mapping.Entry) -> tuple[str, ...]:
         return entry.tunix_path + self.suffix
@@ -191,9 +210,38 @@ class OrbaxSource:
         pending, self._pending = self._pending, None
         got = pending[1]() if pending is not None and pending[0] is entry else self.ckpt.read([p])
         following = self._following().get(id(entry))
-        if following is not None:
+        if following is not None and (self.read_ahead_max is None or self.nbytes(following) <= self.read_ahead_max):
             self._pending = (following, self.ckpt.start_read([self.path_of(following)]))
         return got[p]
+
+    def nbytes(self, entry: mapping.Entry) -> int:
+        shape, dtype = self.ckpt.leaves[self.path_of(entry)]
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def block_ranges(self, blocks: mapping.Blocks, max_bytes: int) -> list[tuple[int, int]] | None:
+        """Ranges of ``blocks.axis`` to read ``blocks.entry`` in, each whole stored chunks along the
+        Tunix dimension it cuts and at most ``max_bytes`` where the chunks allow; None when the
+        leaf can only be read whole."""
+        chunks = self.ckpt.chunks(self.path_of(blocks.entry))
+        if chunks is None:
+            return None
+        chunk = chunks[blocks.tunix_dim]
+        align = chunk // math.gcd(chunk, blocks.tunix_step)  # indices per whole number of chunks
+        per = max(1, max_bytes // max(1, self.nbytes(blocks.entry) // blocks.count))
+        return blocks.ranges(per, align)
+
+    def tunix_blocks(self, blocks: mapping.Blocks, ranges: list[tuple[int, int]]
+                     ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(i, j, box)`` of the Tunix leaf for each range, the next :data:`READ_AHEAD` boxes read
+        and decoded meanwhile."""
+        p = self.path_of(blocks.entry)
+        pending = [self.ckpt.start_read([p], blocks.tunix_region(*r)) for r in ranges[:READ_AHEAD]]
+        for n, (i, j) in enumerate(ranges):
+            got = pending.pop(0)()[p]
+            if n + READ_AHEAD < len(ranges):
+                pending.append(self.ckpt.start_read([p], blocks.tunix_region(*ranges[n + READ_AHEAD])))
+            yield i, j, got
+            del got
 
     def _following(self) -> dict[int, mapping.Entry]:
         if self._next is None:

@@ -193,57 +193,6 @@ def metrics(run_dir):
 
 
 @pytest.mark.slow
-def test_train_kill_resume_export(base, tmp_path):
-    """Loss falls; a run killed mid-way resumes to the same final step over the same data;
-    its checkpoint converts with no flags and PEFT matches Tunix."""
-    common = ["--base", base, "--data", SAMPLE, "grad_accum=1", "micro_batch=1", "max_length=256",
-              "checkpoint_every=3", "learning_rate=5e-3"]
-    full = str(tmp_path / "full")
-    proc = run_training("--out", full, *common)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    ref = metrics(full)
-    summary = json.loads(out)
-    assert summary["steps"] == len(ref) == summary["total_steps"] > 10
-    assert np.mean([r["loss"] for r in ref[-3:]]) < 0.8 * np.mean([r["loss"] for r in ref[:3]])
-    assert os.path.isfile(os.path.join(full, "loss.png")) and os.path.isfile(os.path.join(full, "config.json"))
-
-    killed = str(tmp_path / "killed")
-    proc = run_training("--out", killed, *common)
-    deadline = time.time() + 600
-    while time.time() < deadline and len(metrics(killed)) < 5 and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    done = len(metrics(killed))
-    assert 5 <= done < len(ref)
-    proc = run_training("--out", killed, *common)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    assert "resumed from step" in err
-    got = metrics(killed)
-    assert [r["step"] for r in got] == [r["step"] for r in ref]
-    # the same batches in the same order: same real and loss token counts at every step
-    assert [(r["tokens"], r["loss_tokens"]) for r in got] == [(r["tokens"], r["loss_tokens"]) for r in ref]
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-4)
-
-    # export with no flags, and PEFT on transformers gives the Tunix+qwix logits
-    from ckptbridge.adapters import convert_orbax_to_peft
-    from ckptbridge.tunix_model import load_tunix_lora_model
-    from ckptbridge.verify import peft_logits, rel_l2, tunix_logits
-    import jax
-
-    jax.config.update("jax_default_matmul_precision", "highest")
-    adapter = str(tmp_path / "adapter")
-    convert_orbax_to_peft(os.path.join(killed, "checkpoints"), adapter, base=base, progress=False)
-    model, step, _ = load_tunix_lora_model(base, os.path.join(killed, "checkpoints"))
-    assert step == len(ref)
-    tokens = np.random.default_rng(0).integers(0, 300, size=(2, 11))
-    assert rel_l2(peft_logits(base, adapter, tokens), tunix_logits(model, tokens)) <= 1e-5
-
-
-@pytest.mark.slow
 def test_four_device_mesh_trains_like_one_device(tmp_path):
     """tp=4 over 4 simulated CPU devices: LoRA factors sharded, the same losses and the same
     adapter as on one device; LoRA dropout runs on the mesh too."""
@@ -289,20 +238,27 @@ def test_four_device_mesh_trains_like_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_kills_mid_step_and_mid_save_lose_nothing(base, tokenizer, tmp_path):
-    """A checkpoint every step and three SIGKILLs right after a step's metrics line (inside the save
-    that follows) or mid-step; every resume restores a committed checkpoint, the run ends at the same
-    step with the same batches, and every row's loss tokens are counted exactly once in the epoch."""
+def test_kills_resume_and_export(base, tokenizer, tmp_path):
+    """Loss falls over a full run. A run with a checkpoint every step, SIGKILLed three times right
+    after a step's metrics line (inside the save that follows) or mid-step: every resume restores a
+    committed checkpoint, the run ends at the same step with the same batches and losses, every
+    row's loss tokens are counted exactly once in the epoch, and its checkpoint converts with no
+    flags into a PEFT adapter that matches Tunix."""
     import random
 
     common = ["--base", base, "--data", SAMPLE, "grad_accum=1", "micro_batch=1", "max_length=256",
-              "checkpoint_every=1", "keep_checkpoints=2", "learning_rate=5e-3"]
+              "learning_rate=5e-3"]
     ref_dir = str(tmp_path / "ref")
-    proc = run_training("--out", ref_dir, *common)
-    _, err = proc.communicate(timeout=600)
+    proc = run_training("--out", ref_dir, *common, "checkpoint_every=3")
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     ref = metrics(ref_dir)
+    summary = json.loads(out)
+    assert summary["steps"] == len(ref) == summary["total_steps"] > 10
+    assert np.mean([r["loss"] for r in ref[-3:]]) < 0.8 * np.mean([r["loss"] for r in ref[:3]])
+    assert os.path.isfile(os.path.join(ref_dir, "loss.png")) and os.path.isfile(os.path.join(ref_dir, "config.json"))
 
+    common += ["checkpoint_every=1", "keep_checkpoints=2"]
     rng = random.Random(7)
     run_dir = str(tmp_path / "killed")
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -316,6 +272,7 @@ def test_kills_mid_step_and_mid_save_lose_nothing(base, tokenizer, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         assert proc.returncode == -signal.SIGKILL
+        assert len(metrics(run_dir)) < len(ref)
         for name in os.listdir(ckpts):  # committed steps are whole; anything else is Orbax's temporary
             path = os.path.join(ckpts, name)
             if name.isdigit():
@@ -323,10 +280,26 @@ def test_kills_mid_step_and_mid_save_lose_nothing(base, tokenizer, tmp_path):
     proc = run_training("--out", run_dir, *common)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
+    assert "resumed from step" in err
     got = metrics(run_dir)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
+    # the same batches in the same order: same real and loss token counts at every step
     assert [(r["tokens"], r["loss_tokens"]) for r in got] == [(r["tokens"], r["loss_tokens"]) for r in ref]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-4)
     # one epoch: each example's loss tokens (after the first position) counted once
     enc = data_lib.encode_rows(tokenizer, data_lib.read_rows(SAMPLE), 256)
     assert sum(r["loss_tokens"] for r in got) == sum(int(e["loss_mask"][1:].sum()) for e in enc.examples)
+
+    # export with no flags, and PEFT on transformers gives the Tunix+qwix logits
+    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge.tunix_model import load_tunix_lora_model
+    from ckptbridge.verify import peft_logits, rel_l2, tunix_logits
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    adapter = str(tmp_path / "adapter")
+    convert_orbax_to_peft(ckpts, adapter, base=base, progress=False)
+    model, step, _ = load_tunix_lora_model(base, ckpts)
+    assert step == len(ref)
+    tokens = np.random.default_rng(0).integers(0, 300, size=(2, 11))
+    assert rel_l2(peft_logits(base, adapter, tokens), tunix_logits(model, tokens)) <= 1e-5

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import queue
+import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -28,15 +31,30 @@ log = logging.getLogger(__name__)
 Path = tuple[str, ...]
 
 
-class LazyArray:
-    """A checkpoint leaf whose values are computed only when Orbax writes it."""
+Region = tuple[slice, ...]
 
-    def __init__(self, shape: Iterable[int], dtype, produce: Callable[[], np.ndarray],
-                 on_written: Callable[[], None] | None = None):
+
+class LazyArray:
+    """A checkpoint leaf whose values are computed only when Orbax writes it.
+
+    Either whole (``produce``) or, with ``blocks`` and ``chunks``, box by box: ``blocks()`` yields
+    ``(region, values)`` pairs covering the array, each region a whole chunk of shape ``chunks``
+    (the last ones cut by the array's edge), written as they come with at most ``in_flight``
+    blocks held, so memory is a few chunks however large the array. ``on_written(nbytes)`` is
+    called as bytes are handed to the writer."""
+
+    def __init__(self, shape: Iterable[int], dtype, produce: Callable[[], np.ndarray] | None = None,
+                 on_written: Callable[[int], None] | None = None, *,
+                 chunks: tuple[int, ...] | None = None,
+                 blocks: Callable[[], Iterable[tuple[Region, np.ndarray]]] | None = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.produce = produce
         self.on_written = on_written
+        self.chunks = tuple(int(c) for c in chunks) if chunks is not None else None
+        self.blocks = blocks
+        if (produce is None) == (blocks is None) or (blocks is None) != (chunks is None):
+            raise ValueError("a LazyArray needs produce, or blocks with chunks")
 
     @property
     def size(self) -> int:
@@ -50,6 +68,11 @@ class LazyArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of the largest piece produced at once."""
+        return math.prod(self.chunks) * self.dtype.itemsize if self.chunks is not None else self.nbytes
+
 
 def _ocp():
     import orbax.checkpoint as ocp  # imported lazily: it pulls in jax
@@ -57,50 +80,184 @@ def _ocp():
     return ocp
 
 
-def _lazy_handler():
+def _lazy_handler(ahead_bytes: int):
     ocp = _ocp()
 
     class LazyArrayHandler(ocp.type_handlers.NumpyHandler):
-        """Writes LazyArray leaves one at a time, recorded as plain numpy arrays."""
+        """Writes LazyArray leaves in turn (whole, or a leaf with blocks block by block into
+        chunks of its block shape), recorded as plain numpy arrays. Writes are handed to
+        TensorStore without waiting for each to be stored: the next values are produced (on a
+        thread of their own, half of ``ahead_bytes`` ahead) while earlier ones are encoded and
+        written, with at most ``ahead_bytes`` (or two blocks, when larger) handed over and not
+        yet stored."""
 
-        def __init__(self):
+        def __init__(self, ahead_bytes: int = AHEAD_BYTES):
             super().__init__(deepcopy_host_arrays=False)
+            self._pending: list = []  # (write future, bytes, leaf)
+            self._producer: _Producer | None = None
+            self._ahead_bytes = ahead_bytes
 
         async def _background_serialize(self, values, infos, args=None):
             args = args or [None] * len(values)
-            for value, info, arg in zip(values, infos, args):
-                arr = np.ascontiguousarray(value.produce())
-                if arr.shape != value.shape or arr.dtype != value.dtype:
-                    raise ValueError(
-                        f"leaf {info.name}: produced {arr.dtype} {arr.shape}, planned {value.dtype} {value.shape}"
-                    )
-                await super()._background_serialize([arr], [info], [arg or ocp.SaveArgs()])
-                del arr
-                if value.on_written is not None:
-                    value.on_written()
+            self._producer = _Producer(values, self._ahead_bytes // 2)
+            try:
+                for value, info, arg in zip(values, infos, args):
+                    # the parent builds the spec from shape and dtype alone and calls _open_and_write
+                    await super()._background_serialize([value], [info], [arg or ocp.SaveArgs()])
+                while self._pending:
+                    await self._retire()
+            finally:
+                self._producer.close()
 
-    return LazyArrayHandler()
+        async def _retire(self) -> None:
+            future, nbytes, value = self._pending.pop(0)
+            await future
+            if getattr(value, "on_written", None) is not None:
+                value.on_written(nbytes)
+
+        async def _open_and_write(self, value, tspec, ts_context):
+            if not isinstance(value, LazyArray):
+                return await super()._open_and_write(value, tspec, ts_context)
+            import tensorstore as ts
+
+            name = ".".join(str(tspec.get("kvstore", {}).get("path", "leaf")).split("/")[-1:])
+            spec = _with_chunks(tspec, value.chunks) if value.chunks is not None else tspec
+            store = await ts.open(ts.Spec(spec), create=True, open=True, context=ts_context)
+            block_bytes = value.block_bytes
+            while True:
+                while self._pending and sum(p[1] for p in self._pending) + block_bytes > max(
+                        self._ahead_bytes, 2 * block_bytes):
+                    await self._retire()
+                item = self._producer.take(value)
+                if item is None:
+                    break
+                region, arr = item
+                want = tuple(len(range(*r.indices(n))) for r, n in zip(region, value.shape)) if region else value.shape
+                arr = _checked(name, want, value.dtype, np.ascontiguousarray(arr))
+                target = store[region] if region else store
+                self._pending.append((target.write(arr, can_reference_source_data_indefinitely=True),
+                                      arr.nbytes, value))
+                del arr, item
+
+    return LazyArrayHandler(ahead_bytes)
 
 
-def _registry():
+AHEAD_BYTES = 256 << 20  # default bytes handed to TensorStore and not yet stored (at least two blocks)
+
+
+class _Producer:
+    """Produces the values of LazyArray leaves (reading, rearranging), in the order they are
+    written, on a thread of its own up to ``ahead`` bytes (at least one block) ahead of the
+    writer, so that producing overlaps TensorStore's encoding and writing."""
+
+    _END = object()
+
+    def __init__(self, values, ahead: int) -> None:
+        self._ahead_max = ahead
+        self._leaves = [v for v in values if isinstance(v, LazyArray)]
+        self._queues = {id(v): queue.Queue() for v in self._leaves}
+        self._cond = threading.Condition()
+        self._ahead = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="orbax-produce", daemon=True)
+        self._thread.start()
+
+    def _wait_for_room(self, nbytes: int) -> bool:
+        with self._cond:
+            while not self._closed and self._ahead and self._ahead + nbytes > max(self._ahead_max, nbytes):
+                self._cond.wait()
+            return not self._closed
+
+    def _run(self) -> None:
+        for value in self._leaves:
+            q = self._queues[id(value)]
+            try:
+                items = iter(value.blocks()) if value.blocks is not None else None
+                while self._wait_for_room(value.block_bytes):
+                    if items is None:
+                        item = ((), value.produce())
+                    else:
+                        item = next(items, None)
+                        if item is None:
+                            break
+                    with self._cond:
+                        self._ahead += item[1].nbytes
+                    q.put(item)
+                    del item
+                    if items is None:
+                        break
+                q.put(self._END)
+            except BaseException as e:  # handed to the writer, which raises it
+                q.put(e)
+                return
+            if self._closed:
+                return
+
+    def take(self, value: LazyArray) -> tuple[Region, np.ndarray] | None:
+        """The next ``(region, values)`` of ``value`` (region ``()`` for the whole array), or None
+        when it has no more."""
+        item = self._queues[id(value)].get()
+        if item is self._END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        with self._cond:
+            self._ahead -= item[1].nbytes
+            self._cond.notify_all()
+        return item
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def _checked(name: str, shape: tuple, dtype, arr: np.ndarray) -> np.ndarray:
+    if arr.shape != tuple(shape) or arr.dtype != dtype:
+        raise ValueError(f"leaf {name}: produced {arr.dtype} {arr.shape}, planned {dtype} {tuple(shape)}")
+    return arr
+
+
+def _with_chunks(tspec: dict, chunks: tuple[int, ...]) -> dict:
+    """Orbax's write spec with the chunk shape ``chunks`` (zarr or zarr3, under a cast if any)."""
+    import copy
+
+    tspec = copy.deepcopy(tspec)
+    spec = tspec["base"] if tspec.get("driver") == "cast" else tspec
+    meta = spec["metadata"]
+    if spec["driver"] == "zarr3":
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
+        for codec in meta.get("codecs", []):
+            if codec.get("name") == "sharding_indexed":
+                codec["configuration"]["chunk_shape"] = list(chunks)
+    else:
+        meta["chunks"] = list(chunks)
+    return tspec
+
+
+def _registry(ahead_bytes: int = AHEAD_BYTES):
     ocp = _ocp()
     import jax
 
     return ocp.type_handlers.create_type_handler_registry(
-        (LazyArray, _lazy_handler()),
+        (LazyArray, _lazy_handler(ahead_bytes)),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
         (jax.Array, ocp.type_handlers.ArrayHandler()),
     )
 
 
-def _handler():
-    return _ocp().PyTreeCheckpointHandler(type_handler_registry=_registry(), save_concurrent_gb=1)
+def _handler(compression: bool = True, ahead_bytes: int = AHEAD_BYTES):
+    return _ocp().PyTreeCheckpointHandler(type_handler_registry=_registry(ahead_bytes), save_concurrent_gb=1,
+                                          use_compression=compression)
 
 
-def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None = None) -> None:
-    """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``."""
+def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None = None, *,
+              compression: bool = True, ahead_bytes: int = AHEAD_BYTES) -> None:
+    """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``
+    (zstd-compressed chunks, as Orbax writes by default, unless ``compression`` is False), with
+    about ``ahead_bytes`` of values produced or being written at any time."""
     ocp = _ocp()
-    with ocp.Checkpointer(_handler()) as ckptr:
+    with ocp.Checkpointer(_handler(compression, ahead_bytes)) as ckptr:
         ckptr.save(storage.absolute(path), args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
 
 
@@ -247,8 +404,11 @@ class _TensorstoreLeaves:
             return None
         return cls(path, stores)
 
-    def start(self, paths: list[Path]) -> Callable[[], dict[Path, np.ndarray]]:
-        futures = {p: self._stores[p].read() for p in paths}
+    def chunks(self, path: Path) -> tuple[int, ...] | None:
+        return tuple(int(c) for c in self._stores[path].chunk_layout.read_chunk.shape)
+
+    def start(self, paths: list[Path], region: tuple[slice, ...] | None = None) -> Callable[[], dict[Path, np.ndarray]]:
+        futures = {p: (self._stores[p][region] if region is not None else self._stores[p]).read() for p in paths}
 
         def result() -> dict[Path, np.ndarray]:
             out = {}
@@ -294,7 +454,12 @@ class _OrbaxLeaves:
                 raise CorruptFileError(f"{path}: leaf {'/'.join(p)} is not an array; not a weights checkpoint")
             self.leaves[p] = (tuple(int(s) for s in shape), np.dtype(dtype))
 
-    def start(self, paths: list[Path]) -> Callable[[], dict[Path, np.ndarray]]:
+    def chunks(self, path: Path) -> None:
+        return None  # read whole leaves only
+
+    def start(self, paths: list[Path], region: tuple[slice, ...] | None = None) -> Callable[[], dict[Path, np.ndarray]]:
+        if region is not None:
+            raise ValueError("regions are read with the direct reader only")
         return lambda: self._restore(paths)
 
     def _restore(self, paths: list[Path]) -> dict[Path, np.ndarray]:
@@ -353,16 +518,25 @@ class OrbaxCheckpoint:
         """The ckptbridge record, typed."""
         return Metadata.from_json(self.custom_metadata.get(METADATA_KEY))
 
-    def start_read(self, paths: Iterable[Path]) -> Callable[[], dict[Path, np.ndarray]]:
-        """Begin reading the given leaves; call the result for them (numpy, stored dtype). With
-        the direct reader the bytes are read and decoded in the background meanwhile."""
+    def chunks(self, path: Path) -> tuple[int, ...] | None:
+        """The stored chunk shape of leaf ``path``, when boxes of it can be read on their own
+        (:meth:`start_read` with ``region``); None when only whole leaves can."""
+        return self._impl.chunks(path)
+
+    def start_read(self, paths: Iterable[Path], region: tuple[slice, ...] | None = None
+                   ) -> Callable[[], dict[Path, np.ndarray]]:
+        """Begin reading the given leaves (or the box ``region`` of each, where :meth:`chunks`
+        allows); call the result for them (numpy, stored dtype). With the direct reader the
+        bytes are read and decoded in the background meanwhile."""
         paths = list(paths)
-        pending = self._impl.start(paths)
+        pending = self._impl.start(paths, region)
 
         def result() -> dict[Path, np.ndarray]:
             got = pending()
             for p in paths:
                 arr, (shape, dtype) = got[p], self.leaves[p]
+                if region is not None:
+                    shape = tuple(len(range(*r.indices(n))) for r, n in zip(region, shape))
                 if arr.shape != shape or arr.dtype != dtype:
                     raise CorruptFileError(
                         f"{self.path}: leaf {'/'.join(p)} reads as {arr.dtype} {arr.shape}, "
