@@ -6,10 +6,12 @@ in a fresh process, and prints peak RSS (and the RSS of a process that only impo
 modules) next to the checkpoint size. Streaming means the peak should stay flat while the
 checkpoint grows 4x. ``--model``: the dense Gemma 4 (default), or an expert-heavy model, Qwen 3
 MoE (16 experts per layer, one HF key each, stacked into one Tunix tensor per projection) or
-Gemma 4 MoE (one HF tensor per layer's experts), whose layers are mostly experts.
+Gemma 4 MoE (one HF tensor per layer's experts), whose layers are mostly experts. With
+``--vocab V1 V2`` the models differ in their embedding instead (the largest tensor), so that
+with a small ``--chunk-size`` the peak shows whether conversions hold a tensor whole.
 
     .venv/bin/python benchmarks/memory_vs_layers.py [--model gemma4|qwen3_moe|gemma4_moe] [--layers 4 16]
-        [--width 1024] [--out FILE] [--max-growth 0.6]
+        [--vocab V1 V2] [--chunk-size SIZE] [--width 1024] [--out FILE] [--max-growth 0.6]
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors
 from ckptbridge.merge import merge_lora
 import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
 what, src, dst = sys.argv[1:4]
+chunk = {"chunk_size": sys.argv[4]} if what in ("s2o", "o2s") and len(sys.argv) > 4 else {}
 t = time.perf_counter()
 if what == "s2o":
-    convert_safetensors_to_orbax(src, dst, progress=False)
+    convert_safetensors_to_orbax(src, dst, progress=False, **chunk)
 elif what == "o2s":
-    convert_orbax_to_safetensors(src, dst, progress=False)
+    convert_orbax_to_safetensors(src, dst, progress=False, **chunk)
 elif what == "merge":
     merge_lora(src, sys.argv[4], dst, progress=False)
 # peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork)
@@ -75,6 +78,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--model", choices=sorted(MODELS), default="gemma4", help="model shape (default gemma4)")
     ap.add_argument("--width", type=int, default=1024, help="hidden size D (MLP 4 D, 8 heads)")
+    ap.add_argument("--vocab", type=int, nargs="+",
+                    help="compare these vocabulary sizes at the first --layers count instead of layer counts: the "
+                    "embedding, the largest tensor, grows (default vocabulary: 8 D)")
+    ap.add_argument("--chunk-size", help="--chunk-size of both conversions (default: ckptbridge's)")
     ap.add_argument("--out", help="write results JSON here")
     ap.add_argument("--max-growth", type=float,
                     help="exit 1 when a peak RSS grows by more than this many MB per MB of checkpoint between the "
@@ -88,39 +95,45 @@ def main() -> None:
     rows = []
     try:
         baseline = measure("none", "", "")
-        for n in args.layers:
+        chunk = [args.chunk_size] if args.chunk_size else []
+        sizes = [(args.layers[0], v) for v in args.vocab] if args.vocab else [(n, dims["vocab_size"]) for n in args.layers]
+        for n, vocab in sizes:
             hf = os.path.join(tmp, f"hf{n}")
-            write_random_checkpoint(hf, num_hidden_layers=n, **dims)
+            write_random_checkpoint(hf, num_hidden_layers=n, **{**dims, "vocab_size": vocab})
             size = dir_bytes(hf)
             t = time.perf_counter()
             subprocess.run(["cp", "-r", hf, hf + ".cp"], check=True)
             cp_s = time.perf_counter() - t
-            s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"))
-            o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"))
+            s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"), *chunk)
+            o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"), *chunk)
             adapter = write_random_adapter(hf, os.path.join(tmp, f"adapter{n}"), r=16)
             merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), adapter)
-            rows.append({"layers": n, "checkpoint_mb": size / 2**20, "cp_s": cp_s,
+            rows.append({"layers": n, "vocab": vocab, "embedding_mb": vocab * d * 2 / 2**20,
+                         "checkpoint_mb": size / 2**20, "cp_s": cp_s,
                          "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
                          "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"],
                          "merge_s": merge["seconds"], "merge_peak_rss_mb": merge["peak_rss_mb"]})
-            for name in (f"orbax{n}", f"back{n}", f"adapter{n}", f"merged{n}"):
+            for name in (f"orbax{n}", f"back{n}", f"adapter{n}", f"merged{n}", f"hf{n}"):
                 shutil.rmtree(os.path.join(tmp, name))
             shutil.rmtree(hf + ".cp")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"model {args.model}, width D={d}, bf16; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
-    print(f"{'layers':>6} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} "
+    print(f"model {args.model}, width D={d}, bf16, chunk size {args.chunk_size or 'default'}; baseline RSS after "
+          f"imports: {baseline['peak_rss_mb']:.0f} MB")
+    print(f"{'layers':>6} {'emb MB':>7} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} "
           f"{'o2s peak MB':>12} {'merge s':>8} {'merge peak MB':>14}")
     for r in rows:
-        print(f"{r['layers']:>6} {r['checkpoint_mb']:>8.0f} {r['cp_s']:>6.2f} {r['s2o_s']:>6.2f} "
+        print(f"{r['layers']:>6} {r['embedding_mb']:>7.0f} {r['checkpoint_mb']:>8.0f} {r['cp_s']:>6.2f} {r['s2o_s']:>6.2f} "
               f"{r['s2o_peak_rss_mb']:>12.0f} {r['o2s_s']:>6.2f} {r['o2s_peak_rss_mb']:>12.0f} "
               f"{r['merge_s']:>8.2f} {r['merge_peak_rss_mb']:>14.0f}")
     first, last = rows[0], rows[-1]
     keys = ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb", "merge_peak_rss_mb")
     ratio = {k: last[k] / first[k] for k in keys}
-    print(f"ratio {last['layers']} vs {first['layers']} layers: checkpoint {ratio['checkpoint_mb']:.2f}x, "
+    what = (f"embedding {last['vocab']} vs {first['vocab']} rows" if args.vocab
+            else f"{last['layers']} vs {first['layers']} layers")
+    print(f"ratio {what}: checkpoint {ratio['checkpoint_mb']:.2f}x, "
           f"s2o peak RSS {ratio['s2o_peak_rss_mb']:.2f}x, o2s peak RSS {ratio['o2s_peak_rss_mb']:.2f}x, "
           f"merge peak RSS {ratio['merge_peak_rss_mb']:.2f}x")
     if args.out:

@@ -1,0 +1,146 @@
+"""safetensors-to-orbax and orbax-to-safetensors at real Gemma 4 31B width, side by side with
+copying the same bytes (``cp -r``, and ``cp -r`` + ``sync``), in one run.
+
+For each k (default 2 and 4): a bf16 Gemma 4 text checkpoint of the 31B's real shapes with the
+real embedding (262144 x 5376, 2.8 GB) and k decoder layers (the last one a global k_eq_v
+layer). ``cp``, ``cp`` + ``sync``, ``ckptbridge convert safetensors-to-orbax`` and
+``orbax-to-safetensors`` of its output alternate ``--repeat`` times (medians shown; the disk's
+writeback state moves a lot between runs), each in a fresh process after ``sync`` (wall time
+includes the interpreter and its imports; peak RSS is the process's maximum resident set, as
+``/usr/bin/time`` reports it).
+Then, once each: both directions with ``--no-compression``, and ``verify tensors`` of the round
+trip. The first k's model with half the embedding (131072 rows) is converted both ways in the
+same alternation: peak RSS must not change when the largest tensor doubles.
+
+    .venv/bin/python benchmarks/convert_31b.py [--layers 2 4] [--repeat 3] [--chunk-size 128MiB]
+        [--dir DIR] [--keep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from merge_31b import GEMMA4_31B, dir_bytes, measure, timed_shell  # noqa: E402  (measure: generation only)
+
+
+def _convert(direction: str, src: str, dst: str, *options: str) -> dict:
+    """``python -m ckptbridge convert ...`` as a user runs it (the program, not ``main(argv)``,
+    so that it re-executes itself with huge pages where it would), timed by ``/usr/bin/time``."""
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    subprocess.run(["sync"], check=True)
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as out:
+        proc = subprocess.run(["/usr/bin/time", "-o", out.name, "-f", "%e %M %U %S", sys.executable, "-m", "ckptbridge",
+                               "convert", direction, src, dst, "--quiet", *options], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{direction} failed:\n{proc.stderr[-3000:]}")
+        wall, rss_kb, user, system = out.read().split()[-4:]
+    return {"wall_s": float(wall), "peak_rss_mb": int(rss_kb) / 1024, "user_s": float(user), "sys_s": float(system)}
+
+
+def _base(work: str, k: int, vocab: int) -> str:
+    base = os.path.join(work, f"base{k}-v{vocab}")
+    if not os.path.isdir(base):  # --keep leaves them for the next run
+        measure("generate", base, base + ".adapter", str(k), "1", "1", json.dumps({**GEMMA4_31B, "vocab_size": vocab}))
+        shutil.rmtree(base + ".adapter")
+    return base
+
+
+def _median(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--repeat", type=int, default=3, help="alternating runs of each contender (median)")
+    ap.add_argument("--chunk-size", default=None, help="--chunk-size for both conversions (default: ckptbridge's)")
+    ap.add_argument("--out", help="write results JSON here")
+    ap.add_argument("--dir", help="work in this directory (default: the system's temporary one; needs ~4x the "
+                    "largest base free)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated bases in DIR/convert-31b for the next run")
+    args = ap.parse_args()
+    opts = ["--chunk-size", args.chunk_size] if args.chunk_size else []
+
+    work = (os.path.join(args.dir or tempfile.gettempdir(), "convert-31b") if args.keep
+            else tempfile.mkdtemp(prefix="convert-31b-", dir=args.dir))
+    os.makedirs(work, exist_ok=True)
+    orbax, back, copy = (os.path.join(work, n) for n in ("orbax", "back", "copy"))
+    rows = []
+    flat: dict = {}
+    try:
+        half_vocab = GEMMA4_31B["vocab_size"] // 2
+        half = _base(work, args.layers[0], half_vocab)
+        for k in args.layers:
+            base = _base(work, k, GEMMA4_31B["vocab_size"])
+            row: dict = {"layers": k, "vocab": GEMMA4_31B["vocab_size"], "base_bytes": dir_bytes(base)}
+            print(f"k={k}: base {row['base_bytes'] / 2**30:.2f} GiB", flush=True)
+            runs: dict[str, list] = {"cp_s": [], "cp_sync_s": [], "s2o": [], "o2s": []}
+            halves: dict[str, list] = {"s2o": [], "o2s": []}
+            for _ in range(args.repeat):
+                runs["cp_s"].append(timed_shell(f"cp -r {base} {copy}"))
+                shutil.rmtree(copy)
+                runs["cp_sync_s"].append(timed_shell(f"cp -r {base} {copy} && sync"))
+                shutil.rmtree(copy)
+                runs["s2o"].append(_convert("safetensors-to-orbax", base, orbax, *opts))
+                runs["o2s"].append(_convert("orbax-to-safetensors", orbax, back, *opts))
+                print(f"  cp {runs['cp_s'][-1]:.1f} s, cp + sync {runs['cp_sync_s'][-1]:.1f} s, s2o "
+                      f"{runs['s2o'][-1]['wall_s']:.1f} s, o2s {runs['o2s'][-1]['wall_s']:.1f} s", flush=True)
+                if k == args.layers[0]:  # the same model with half the embedding, in the same alternation
+                    halves["s2o"].append(_convert("safetensors-to-orbax", half, orbax + ".half", *opts))
+                    halves["o2s"].append(_convert("orbax-to-safetensors", orbax + ".half", back + ".half", *opts))
+                    shutil.rmtree(orbax + ".half")
+                    shutil.rmtree(back + ".half")
+            row["runs"] = runs
+            row["cp_s"], row["cp_sync_s"] = statistics.median(runs["cp_s"]), statistics.median(runs["cp_sync_s"])
+            row["s2o"], row["o2s"] = _median(runs["s2o"]), _median(runs["o2s"])
+            row["orbax_bytes"] = dir_bytes(orbax)
+            row["round_trip_identical"] = subprocess.run(
+                [sys.executable, "-m", "ckptbridge", "verify", "tensors", base, back], capture_output=True).returncode == 0
+            row["s2o_nc"] = _convert("safetensors-to-orbax", base, orbax, "--no-compression", *opts)
+            row["orbax_nc_bytes"] = dir_bytes(orbax)
+            row["o2s_nc"] = _convert("orbax-to-safetensors", orbax, back, *opts)
+            rows.append(row)
+            if halves["s2o"]:
+                flat = {"layers": k, "vocab": half_vocab, "base_bytes": dir_bytes(half), "runs": halves,
+                        "s2o": _median(halves["s2o"]), "o2s": _median(halves["o2s"])}
+        if not args.keep:
+            shutil.rmtree(half)
+    finally:
+        for p in (orbax, back, copy, orbax + ".half", back + ".half"):
+            shutil.rmtree(p, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"{'k':>2} {'base GiB':>8} {'cp s':>6} {'cp+sync':>7} | {'s2o s':>6} {'x cp+sync':>9} {'RSS MB':>6} | "
+          f"{'o2s s':>6} {'x cp+sync':>9} {'RSS MB':>6} | {'orbax GiB':>9} | no compression: {'s2o s':>6} "
+          f"{'o2s s':>6} {'orbax GiB':>9}")
+    for r in rows:
+        s, o, sn, on = r["s2o"], r["o2s"], r["s2o_nc"], r["o2s_nc"]
+        print(f"{r['layers']:>2} {r['base_bytes'] / 2**30:>8.2f} {r['cp_s']:>6.2f} {r['cp_sync_s']:>7.2f} | "
+              f"{s['wall_s']:>6.2f} {s['wall_s'] / r['cp_sync_s']:>9.2f} {s['peak_rss_mb']:>6.0f} | "
+              f"{o['wall_s']:>6.2f} {o['wall_s'] / r['cp_sync_s']:>9.2f} {o['peak_rss_mb']:>6.0f} | "
+              f"{r['orbax_bytes'] / 2**30:>9.2f} | {'':>16}{sn['wall_s']:>6.2f} {on['wall_s']:>6.2f} "
+              f"{r['orbax_nc_bytes'] / 2**30:>9.2f}")
+        print(f"   round trip bit-identical (verify tensors): {r['round_trip_identical']}")
+    first = rows[0]
+    print(f"embedding {flat['vocab']} -> {first['vocab']} rows (k={first['layers']}): peak RSS s2o "
+          f"{flat['s2o']['peak_rss_mb']:.0f} -> {first['s2o']['peak_rss_mb']:.0f} MB "
+          f"({first['s2o']['peak_rss_mb'] / flat['s2o']['peak_rss_mb']:.2f}x), o2s {flat['o2s']['peak_rss_mb']:.0f} -> "
+          f"{first['o2s']['peak_rss_mb']:.0f} MB ({first['o2s']['peak_rss_mb'] / flat['o2s']['peak_rss_mb']:.2f}x)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"chunk_size": args.chunk_size, "rows": rows, "half_embedding": flat}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
