@@ -99,12 +99,16 @@ def test_kill_convert_and_merge(inputs, tmp_path):
     assert convert["absent"] and convert["complete"], convert
     assert merge["absent"] + merge["complete"] == TRIALS and merge["absent"], merge
 
-    # a leftover of a killed run is removed by the next run writing the same destination
-    for work_dir, run in ((work, lambda d: cli("convert", "safetensors-to-orbax", base, d)),
-                          (work_m, lambda d: cli("merge", base, adapter, d))):
+    # a leftover of a killed run is removed by the next run writing the same destination (a kill
+    # between the rename into place and the clean-up leaves one beside a complete destination,
+    # which only a run with --overwrite writes again)
+    for work_dir, run in ((work, lambda d, *o: cli("convert", "safetensors-to-orbax", base, d, *o)),
+                          (work_m, lambda d, *o: cli("merge", base, adapter, d, *o))):
         for i in range(TRIALS):
             dst = str(work_dir / f"dst{i}")
-            if not os.path.exists(dst):
-                assert subprocess.run(run(dst), capture_output=True, timeout=600).returncode == 0
+            left = [n for n in os.listdir(work_dir) if n.startswith(f".dst{i}.ckptbridge-tmp-")]
+            if not os.path.exists(dst) or left:
+                argv = run(dst, "--overwrite") if os.path.exists(dst) else run(dst)
+                assert subprocess.run(argv, capture_output=True, timeout=600).returncode == 0
         assert not [n for n in os.listdir(work_dir) if ".ckptbridge-tmp-" in n]
     assert orbax_leaves(str(work / "dst0")) == want and compare_tensors(ref_merged, str(work_m / "dst0"))["identical"]
