@@ -1,6 +1,27 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, then run pytest. Extra arguments go to pytest.
+# The test suite: set up, then run pytest. Extra arguments go to pytest.
+#   ./test.sh [ARGS]              the whole suite in .venv (the pinned versions)
+#   ./test.sh --floor [ARGS]      the suite in .venv-floor (every dependency at the floor pyproject.toml
+#                                 declares), vLLM from .venv-serve-floor; without the main job and the
+#                                 per-family serving runs (the code paths the other tests take, one vLLM
+#                                 start each), nor the tests that build environments of their own
+#   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, built
+#                                 by scripts/setup.sh --newest)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+venv=.venv
+select=()
+if [ "${1:-}" = "--floor" ]; then
+  shift
+  venv=.venv-floor
+  export CKPTBRIDGE_SERVE_PYTHON="$PWD/.venv-serve-floor/bin/python"
+elif [ "${1:-}" = "--env" ]; then
+  venv="${2:?--env needs a virtual environment}"
+  shift 2
+fi
+if [ "$venv" != .venv ]; then
+  select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py
+          --ignore=tests/test_packaging.py --ignore=tests/test_environments.py)
+fi
+if [ "$venv" = .venv-newest ]; then scripts/setup.sh --newest; else scripts/setup.sh; fi
+exec "$venv/bin/python" -m pytest "${select[@]}" "$@"

@@ -26,7 +26,7 @@ import tempfile
 
 import numpy as np
 
-from ckptbridge import lora, vllm_lora
+from ckptbridge import deps, lora, vllm_lora
 from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
 from ckptbridge.sources import Base, open_base
 from ckptbridge.verify import adapter_kind, as_peft, prompt_ids
@@ -242,6 +242,7 @@ def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | Non
 
 def _lint_orbax(lint: Lint, b: Base, step: int | None, alpha: float | None) -> None:
     src = lint.adapter
+    deps.require("orbax")  # an unusable Orbax is the environment's fault, not the adapter's
     try:
         ad = lora.open_orbax_lora(src, b, step=step, alpha=alpha)
     except (MismatchError, UnsupportedError) as e:
@@ -519,8 +520,10 @@ def _exact(lint: Lint, adapter: str, peft_dir: str, base: str, tokens, peft_logi
         import jax
 
         from ckptbridge.tunix_model import load_tunix_adapter, mismatch_line
-    except ImportError as e:
+    except ModuleNotFoundError as e:
         return {"ok": None, "skipped": f"Tunix is not installed here ({e.name}); install ckptbridge[verify]"}
+    except ImportError as e:  # installed, but not in versions that import together
+        raise deps.DependencyError(deps.import_failure(e, "verify") or str(e)) from None
     from ckptbridge.sources import open_base
     from ckptbridge.verify import rel_l2, tunix_logits
 

@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import hub, lora, model_card, vllm_lora
+from ckptbridge import deps, hub, lora, model_card, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
@@ -290,6 +290,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
     """PEFT adapter -> Tunix checkpoint root ``DST/<step>/model_params`` with the qwix rules that
     rebuild the matching LoRA model in the step's custom metadata."""
     t0 = time.perf_counter()
+    deps.require("orbax")
     if kv not in KV_MODES:
         raise ConfigError(f"--kv {kv!r}: choose one of {', '.join(KV_MODES)}")
     if step < 0:

@@ -10,6 +10,7 @@
     ckptbridge verify tensors A B
     ckptbridge verify adapter ADAPTER --base BASE [--target hf|vllm] [--prompt TEXT | --ids 1,2,3] [--lint-only]
     ckptbridge verify served --url URL --model NAME --base BASE [--adapter DIR] [--ids ...] [--tokens N]
+    ckptbridge env [--json]
 
 Errors end in one line on stderr (``ckptbridge: error: ...``) and a non-zero exit code that
 tells the kind of failure (see ``docs/reliability.md``).
@@ -24,16 +25,19 @@ import os
 import sys
 from typing import Sequence
 
-from ckptbridge import __version__
+from ckptbridge import __version__, deps
 from ckptbridge.errors import CkptBridgeError
 from ckptbridge.io import DEFAULT_CHUNK_SIZE
 
 EPILOG = "Exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, 8 config, 1 internal."
 
 
-def _quiet_libraries() -> None:
+def _quiet_libraries(cpu: bool = True) -> None:
+    """Quiet third-party logging; with ``cpu``, JAX on the CPU unless JAX_PLATFORMS says otherwise
+    (conversions and checks need no accelerator, and must not take one from a running job)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu") or "cpu")
+    if cpu:
+        os.environ["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS") or "cpu"
     try:
         from absl import logging as absl_logging
 
@@ -270,6 +274,62 @@ def cmd_verify_served(args) -> int:
     return 0 if r["equal"] else 6
 
 
+def _env_text(r: dict) -> str:
+    mem = r["memory"]
+    gib = lambda n: f"{n / (1 << 30):.1f} GiB" if n else "unknown"  # noqa: E731
+    cpus = r["cpus"]
+    lines = [
+        f"ckptbridge {r['ckptbridge']}",
+        f"python     {r['python']['version']} ({r['python']['implementation']}) {r['python']['executable']}",
+        f"platform   {r['platform']['system']} {r['platform']['machine']}"
+        + (f", {r['platform']['libc']}" if r["platform"]["libc"] else ""),
+        f"cpus       {cpus['count']}, usable {cpus['usable']} (affinity {cpus['affinity']})",
+        f"memory     {gib(mem['total'])} total, {gib(mem['available'])} available"
+        + (f", cgroup limit {gib(mem['cgroup_limit'])}" if mem["cgroup_limit"] else ""),
+        f"huge pages enabled: {r['transparent_hugepages']['enabled']}; defrag: {r['transparent_hugepages']['defrag']}",
+        "",
+        "packages (installed / supported):",
+    ]
+    width = max(len(n) for n in r["packages"])
+    found = {name: (p["version"] or "not installed") + (f" [{p['distribution']}]" if p.get("distribution") else "")
+             for name, p in r["packages"].items()}
+    vwidth = max(len(v) for v in found.values())
+    for name, p in r["packages"].items():
+        by_range: dict[str, list[str]] = {}
+        for extra, spec in p["required"].items():
+            by_range.setdefault(spec, []).append(extra)
+        ranges = "; ".join(f"{spec} ({', '.join(extras)})" for spec, extras in by_range.items()) or "(brought by the above)"
+        lines.append(f"  {name:<{width}}  {found[name]:<{vwidth}}  {ranges}")
+    lines += ["", "extras:"]
+    for extra, e in r["extras"].items():
+        lines.append(f"  {extra:<7} {'usable' if e['usable'] else 'NOT usable'}: {e['for']}")
+        lines += [f"          {why}" for why in e.get("problems", [])[:3]]
+    lines += ["", "verbs:"]
+    width = max(len(v) for v in r.get("verbs", {"": 0}))
+    for verb, v in r.get("verbs", {}).items():
+        lines.append(f"  {verb:<{width}}  {'works' if v['works'] else 'needs ' + repr('ckptbridge[' + v['extra'] + ']')}")
+    if "accelerators" in r:
+        lines += ["", "accelerators:"]
+        for lib, a in r["accelerators"].items():
+            if a is None:
+                lines.append(f"  {lib}: not installed")
+            elif "error" in a:
+                lines.append(f"  {lib}: {a['error']}")
+            elif lib == "jax":
+                lines.append(f"  jax: {a['backend']}, {a['devices']} device(s) {', '.join(a['kinds'])}")
+            else:
+                lines.append(f"  torch: {'CUDA ' + str(a['cuda_version']) + ', ' + str(a['devices']) + ' device(s) ' + ', '.join(a['names']) if a['cuda'] else 'CPU only'}")
+    if r["environment_variables"]:
+        lines += ["", "environment: " + " ".join(f"{k}={v}" for k, v in r["environment_variables"].items())]
+    return "\n".join(lines)
+
+
+def cmd_env(args) -> int:
+    r = deps.environment(args.verbs, accelerators=not args.no_accelerators)
+    _emit(args, r, _env_text(r))
+    return 0
+
+
 def _orbax_lora_options(sp) -> None:
     """--step and --alpha of a verb that also takes a Tunix/qwix Orbax LoRA checkpoint."""
     sp.add_argument("--step", type=int, help="step of an Orbax checkpoint root (default: latest)")
@@ -472,7 +532,33 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--json", action="store_true")
     vs.set_defaults(extra="verify")
     vs.set_defaults(func=cmd_verify_served)
+
+    env = sub.add_parser(
+        "env", help="this environment, for bug reports", epilog=EPILOG,
+        description="Print what a bug report needs: Python, platform, CPUs and affinity, memory, transparent huge "
+        "pages, the version of every package ckptbridge uses against its supported range, which extras are usable "
+        "and which verbs work here, and the accelerators JAX and torch see.")
+    env.add_argument("--json", action="store_true", help="print JSON")
+    env.add_argument("--no-accelerators", action="store_true", help="do not import jax and torch to list devices")
+    env.set_defaults(func=cmd_env)
+    verbs = {}
+    for name, sp in sub.choices.items():
+        for leaf_name, leaf in ((csub if name == "convert" else vsub).choices.items()
+                                if name in ("convert", "verify") else [("", sp)]):
+            verb = f"{name} {leaf_name}".strip()
+            verbs[verb] = leaf.get_default("extra")
+            for what, extra in INPUT_EXTRAS.get(verb, ()):
+                verbs[f"{verb} ({what})"] = extra
+    p.set_defaults(verbs=verbs)
     return p
+
+
+# Verbs that need more than their own extra for some inputs: (which inputs, the extra).
+INPUT_EXTRAS = {
+    "merge": [("Orbax adapter", "orbax")],
+    "inspect": [("Orbax checkpoint", "orbax")],
+    "verify adapter": [("Orbax adapter", "orbax"), ("live and exact checks", "verify")],
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -483,8 +569,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hugepages.wanted():
             hugepages.reexec(sys.argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _quiet_libraries()
+    _quiet_libraries(cpu=args.func is not cmd_env)  # env reports the accelerators JAX finds by itself
+    extra = getattr(args, "extra", None)
     try:
+        deps.require(extra)
         _resolve_hub_refs(args)
         return args.func(args)
     except CkptBridgeError as e:
@@ -496,17 +584,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (`ckptbridge inspect X | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except ModuleNotFoundError as e:
-        from ckptbridge.extras import missing_line
-
-        line = missing_line(e, getattr(args, "extra", None))
-        if line is None or os.environ.get("CKPTBRIDGE_DEBUG"):
-            raise
-        print(f"ckptbridge: error: {line}", file=sys.stderr)
-        return 8
-    except Exception as e:  # an internal error: one line, details on request
+    except Exception as e:  # a missing module, a version skew at import, or an internal error
+        line = deps.missing_line(e, extra) if isinstance(e, ModuleNotFoundError) else None
+        line = line or deps.import_failure(e, extra)
         if os.environ.get("CKPTBRIDGE_DEBUG"):
             raise
+        if line is not None:
+            print(f"ckptbridge: error: {line}", file=sys.stderr)
+            return 8
         print(f"ckptbridge: internal error: {type(e).__name__}: {e} (set CKPTBRIDGE_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return 1

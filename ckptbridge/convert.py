@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ckptbridge import hub, mapping
+from ckptbridge import deps, hub, mapping
 from ckptbridge.errors import ConfigError
 from ckptbridge.io import DEFAULT_CHUNK_SIZE
 from ckptbridge.io import orbax as orbax_io
@@ -81,6 +81,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     dict (tensors, bytes, seconds, key prefix, layer kinds).
     """
     t0 = time.perf_counter()
+    deps.require("orbax")
     chunk_bytes = _chunk_bytes(chunk_size)
     if tunix_version is not None:
         try:
@@ -100,8 +101,8 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             leaf.on_written = bar.update
         assets = source.model.asset_files()
         with atomic_directory(dst, overwrite) as tmp:
-            orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target),
-                               compression=compression, ahead_bytes=2 * chunk_bytes)
+            writer = orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target),
+                                        compression=compression, ahead_bytes=2 * chunk_bytes)
             if assets:
                 copy_assets(assets, source.model.path, storage.join(tmp, ASSETS_DIR))
         bar.close()
@@ -118,6 +119,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             "tunix_version": target,
             "chunk_bytes": chunk_bytes,
             "compression": compression,
+            "orbax_writer": writer,
             "config_mismatch": mismatch,
             "seconds": round(time.perf_counter() - t0, 3),
         }

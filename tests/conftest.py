@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -57,14 +58,16 @@ def tree_hash(path: str) -> str:
     return h.hexdigest()
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the ckptbridge CLI in a fresh process."""
+def run_cli(*args: str, timeout: int = 300, env: dict | None = None,
+            python: str = sys.executable) -> subprocess.CompletedProcess:
+    """Run the ckptbridge CLI in a fresh process (``python``: another environment's), with
+    ``env`` added to the environment."""
     return subprocess.run(
-        [sys.executable, "-m", "ckptbridge", *args],
+        [python, "-m", "ckptbridge", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
     )
 
 

@@ -2,6 +2,7 @@
 `import ckptbridge` work with no jax, torch, tunix or huggingface_hub; merge of a PEFT adapter
 gives the same bytes as in the full environment; verbs that need an extra say which in one line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,12 +15,15 @@ from ckptbridge.verify import compare_tensors
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def core_venv(tmp_path_factory):
-    venv = str(tmp_path_factory.mktemp("core") / "venv")
+@pytest.fixture(scope="module", params=["floor", "newest"])
+def core_venv(request, tmp_path_factory):
+    """The core install with its dependencies at the floors pyproject.toml declares
+    (requirements/floor-core.txt), or at the newest versions pip resolves."""
+    venv = str(tmp_path_factory.mktemp(f"core-{request.param}") / "venv")
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    floor = ["-c", os.path.join(ROOT, "requirements", "floor-core.txt")] if request.param == "floor" else []
     pip = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q",
-                          "--disable-pip-version-check", ROOT], capture_output=True, text=True, timeout=600)
+                          "--disable-pip-version-check", *floor, ROOT], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-2000:]
     return venv
 
@@ -52,6 +56,23 @@ def test_core_install_merges_and_inspects(core_venv, checkpoints, tmp_path):
     assert info.returncode == 0 and '"family": "gemma4"' in info.stdout, info.stderr
     lint = _run(core_venv, "verify", "adapter", peft_dir, "--base", base, "--lint-only")
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_core_env_report(core_venv):
+    r = _run(core_venv, "env", "--json")
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)
+    pins = dict(line.split("==") for line in open(os.path.join(ROOT, "requirements", "floor-core.txt"))
+                if "==" in line and not line.startswith("#"))
+    for name, pin in pins.items():
+        version = env["packages"][name]["version"]
+        assert version is not None and (version == pin.strip() if "core-floor" in core_venv else True), (name, version)
+    for name in ("orbax-checkpoint", "jax", "torch", "transformers", "google-tunix", "huggingface_hub"):
+        assert env["packages"][name]["version"] is None, name
+    assert env["extras"]["core"]["usable"] and not env["extras"]["orbax"]["usable"]
+    assert "pip install 'ckptbridge[orbax]'" in env["extras"]["orbax"]["problems"][0]
+    assert env["verbs"]["merge"]["works"] and not env["verbs"]["convert safetensors-to-orbax"]["works"]
+    assert env["accelerators"] == {"jax": None, "torch": None}
 
 
 @pytest.mark.parametrize("argv, extra", [

@@ -1,27 +1,43 @@
 """Orbax checkpoints, written tensor by tensor and read leaf by leaf.
 
 This is the one module that knows Orbax's extension points. Writing uses Orbax's own
-PyTree handler with a registered type handler for :class:`LazyArray` leaves: each leaf is
-produced (read + rearranged) only when Orbax serializes it, written, and dropped, so peak
-memory is about one tensor. The leaves are recorded as ``np.ndarray``, so a plain
-``StandardCheckpointer().restore(path)`` returns ordinary arrays. Reading opens the arrays with
+PyTree handler with a registered type handler for :class:`LazyArray` leaves, recorded as
+``np.ndarray``, so a plain ``StandardCheckpointer().restore(path)`` returns ordinary arrays.
+Two writers, chosen once per process by :func:`orbax_writer`:
+
+* ``streaming``: a subclass of Orbax's ``NumpyHandler`` that overrides two of its private
+  steps (``_background_serialize``, ``_open_and_write``), so that each leaf is produced (read +
+  rearranged) only when Orbax writes it, in row blocks stored as chunks of their own: peak
+  memory is a few blocks. Used where those steps have the signatures it was written against
+  (:data:`PRIVATE_CONTRACT`; orbax-checkpoint 0.12.0 to 0.12.8 tested, 0.12.4 included).
+* ``public``: Orbax's ``NumpyHandler`` as it is, through its public interface only. Each leaf
+  is produced into a memory-mapped scratch file beside the output and handed to Orbax as an
+  array; slower (every byte is written twice) but independent of Orbax's internals. Used when
+  the contract does not hold, or with ``CKPTBRIDGE_ORBAX_WRITER=public``.
+
+Both give the same arrays (tests/test_orbax_contract.py). Reading opens the arrays with
 TensorStore directly, the way Orbax's handlers do, when ``_METADATA`` describes a checkpoint of
 arrays in OCDBT or zarr directories (what Orbax and Tunix write); anything else is restored
-through Orbax, a few leaves at a time with ``partial_restore``.
+through Orbax, a few leaves at a time with ``partial_restore`` (tests/test_orbax_reader.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
+import os
 import queue
+import shutil
+import tempfile
 import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ckptbridge.errors import CorruptFileError, InputNotFoundError
+from ckptbridge import deps
+from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError
 from ckptbridge.io import storage
 from ckptbridge.metadata import KEY as METADATA_KEY
 from ckptbridge.metadata import Metadata
@@ -73,17 +89,74 @@ class LazyArray:
         """Bytes of the largest piece produced at once."""
         return math.prod(self.chunks) * self.dtype.itemsize if self.chunks is not None else self.nbytes
 
+    def __deepcopy__(self, memo) -> "LazyArray":
+        # A recipe, not data: Orbax before 0.12.5 deep-copies every value it is handed.
+        return self
+
+    def produce_into(self, out: np.ndarray) -> None:
+        """Write every value into ``out`` (an array of this shape and dtype), block by block."""
+        if self.blocks is None:
+            out[...] = _checked("leaf", self.shape, self.dtype, np.asarray(self.produce()))
+            return
+        for region, arr in self.blocks():
+            want = tuple(len(range(*r.indices(n))) for r, n in zip(region, self.shape))
+            out[region] = _checked("leaf", want, self.dtype, np.asarray(arr))
+
 
 def _ocp():
-    import orbax.checkpoint as ocp  # imported lazily: it pulls in jax
+    return deps.load("orbax.checkpoint", "orbax")  # imported lazily: it pulls in jax
 
-    return ocp
+
+# The private steps of orbax's NumpyHandler that the streaming writer overrides, with the
+# parameters it calls them with: its _background_serialize builds each leaf's write spec from
+# the value's shape and dtype and awaits self._open_and_write(value, tspec, ts_context).
+# Unchanged in orbax-checkpoint 0.12.0 to 0.12.8 (tests/test_orbax_contract.py).
+PRIVATE_CONTRACT = {
+    "_background_serialize": ("self", "values", "infos", "args"),
+    "_open_and_write": ("self", "value", "tspec", "ts_context"),
+}
+WRITERS = ("streaming", "public")
+
+
+def private_contract_holds(handler_cls) -> bool:
+    """Whether ``handler_cls`` (orbax's NumpyHandler) has the private steps of
+    :data:`PRIVATE_CONTRACT` as coroutines with those parameters."""
+    for name, params in PRIVATE_CONTRACT.items():
+        fn = getattr(handler_cls, name, None)
+        if fn is None or not inspect.iscoroutinefunction(fn):
+            return False
+        try:
+            if tuple(inspect.signature(fn).parameters) != params:
+                return False
+        except (TypeError, ValueError):
+            return False
+    return True
+
+
+def orbax_writer() -> str:
+    """``"streaming"`` or ``"public"`` (see the module's docstring): ``CKPTBRIDGE_ORBAX_WRITER``
+    if set, else streaming where the installed Orbax keeps :data:`PRIVATE_CONTRACT`."""
+    forced = os.environ.get("CKPTBRIDGE_ORBAX_WRITER", "").strip().lower()
+    if forced:
+        if forced not in WRITERS:
+            raise ConfigError(f"CKPTBRIDGE_ORBAX_WRITER={forced!r}: choose one of {', '.join(WRITERS)}")
+        return forced
+    if private_contract_holds(_ocp().type_handlers.NumpyHandler):
+        return "streaming"
+    log.info("orbax-checkpoint %s: NumpyHandler's private steps differ from those the streaming writer was "
+             "written for; writing through Orbax's public interface (slower)", deps.installed_version("orbax-checkpoint"))
+    return "public"
 
 
 def _lazy_handler(ahead_bytes: int):
     ocp = _ocp()
+    numpy_handler = ocp.type_handlers.NumpyHandler
+    # orbax-checkpoint >= 0.12.5 copies host arrays unless told not to; before, LazyArray's
+    # __deepcopy__ makes the copy free.
+    options = ({"deepcopy_host_arrays": False}
+               if "deepcopy_host_arrays" in inspect.signature(numpy_handler.__init__).parameters else {})
 
-    class LazyArrayHandler(ocp.type_handlers.NumpyHandler):
+    class LazyArrayHandler(numpy_handler):
         """Writes LazyArray leaves in turn (whole, or a leaf with blocks block by block into
         chunks of its block shape), recorded as plain numpy arrays. Writes are handed to
         TensorStore without waiting for each to be stored: the next values are produced (on a
@@ -92,7 +165,7 @@ def _lazy_handler(ahead_bytes: int):
         yet stored."""
 
         def __init__(self, ahead_bytes: int = AHEAD_BYTES):
-            super().__init__(deepcopy_host_arrays=False)
+            super().__init__(**options)
             self._pending: list = []  # (write future, bytes, leaf)
             self._producer: _Producer | None = None
             self._ahead_bytes = ahead_bytes
@@ -219,20 +292,28 @@ def _checked(name: str, shape: tuple, dtype, arr: np.ndarray) -> np.ndarray:
 
 
 def _with_chunks(tspec: dict, chunks: tuple[int, ...]) -> dict:
-    """Orbax's write spec with the chunk shape ``chunks`` (zarr or zarr3, under a cast if any)."""
+    """Orbax's write spec with the chunk shape ``chunks`` (zarr or zarr3, under a cast if any).
+    A spec of another shape is left as it is: the blocks are then written into Orbax's own
+    chunks, the same bytes with more memory (tests/test_orbax_contract.py checks the chunks)."""
     import copy
 
-    tspec = copy.deepcopy(tspec)
-    spec = tspec["base"] if tspec.get("driver") == "cast" else tspec
-    meta = spec["metadata"]
-    if spec["driver"] == "zarr3":
-        meta["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
-        for codec in meta.get("codecs", []):
-            if codec.get("name") == "sharding_indexed":
-                codec["configuration"]["chunk_shape"] = list(chunks)
-    else:
-        meta["chunks"] = list(chunks)
-    return tspec
+    new = copy.deepcopy(tspec)
+    try:
+        spec = new["base"] if new.get("driver") == "cast" else new
+        meta = spec["metadata"]
+        if spec["driver"] == "zarr3":
+            meta["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
+            for codec in meta.get("codecs", []):
+                if codec.get("name") == "sharding_indexed":
+                    codec["configuration"]["chunk_shape"] = list(chunks)
+        elif spec["driver"] == "zarr":
+            meta["chunks"] = list(chunks)
+        else:
+            return tspec
+    except (KeyError, TypeError, AttributeError):
+        log.debug("orbax write spec not understood; keeping its chunks: %s", tspec)
+        return tspec
+    return new
 
 
 def _registry(ahead_bytes: int = AHEAD_BYTES):
@@ -246,19 +327,79 @@ def _registry(ahead_bytes: int = AHEAD_BYTES):
     )
 
 
-def _handler(compression: bool = True, ahead_bytes: int = AHEAD_BYTES):
-    return _ocp().PyTreeCheckpointHandler(type_handler_registry=_registry(ahead_bytes), save_concurrent_gb=1,
-                                          use_compression=compression)
+def _handler(compression: bool = True, ahead_bytes: int = AHEAD_BYTES, writer: str = "streaming"):
+    ocp = _ocp()
+    if writer == "public":
+        return ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, use_compression=compression)
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=_registry(ahead_bytes), save_concurrent_gb=1,
+                                       use_compression=compression)
+
+
+class _ScratchArray(np.memmap):
+    """A leaf produced into a scratch file for the public writer: Orbax before 0.12.5
+    deep-copies the arrays it is handed, which for these would read the file into memory."""
+
+    def __deepcopy__(self, memo) -> "_ScratchArray":
+        return self
+
+
+def _produced(tree: Mapping[str, Any], scratch: str) -> tuple[dict, dict]:
+    """The public writer's input: every :class:`LazyArray` of ``tree`` produced into a
+    memory-mapped file under ``scratch`` (page cache, not process memory), and the SaveArgs
+    that give a leaf produced in blocks chunks of about a block."""
+    ocp = _ocp()
+    flat, save_args = {}, {}
+    for i, (path, leaf) in enumerate(_flatten(tree).items()):
+        if isinstance(leaf, LazyArray):
+            arr = _ScratchArray(os.path.join(scratch, str(i)), dtype=leaf.dtype, mode="w+", shape=leaf.shape)
+            leaf.produce_into(arr)
+            arr.flush()  # clean pages: the kernel may drop them
+            if leaf.on_written is not None:
+                leaf.on_written(leaf.nbytes)
+            flat[path] = arr
+            save_args[path] = ocp.SaveArgs(chunk_byte_size=leaf.block_bytes if leaf.chunks else None)
+        else:
+            flat[path] = leaf
+            save_args[path] = ocp.SaveArgs()
+    return nest(flat), nest(save_args)
+
+
+class _Writer:
+    """Save args for one checkpoint: the streaming writer hands the tree to Orbax as it is; the
+    public one first produces it into a scratch directory beside ``path``, removed at the end."""
+
+    def __init__(self, path: str, tree: Mapping[str, Any]):
+        self.kind = orbax_writer()
+        self.path, self.tree = path, tree
+        self.scratch: str | None = None
+
+    def __enter__(self) -> "_Writer":
+        return self
+
+    def args(self):
+        ocp = _ocp()
+        if self.kind == "streaming":
+            return ocp.args.PyTreeSave(self.tree)
+        parent = None if storage.is_remote(self.path) else os.path.dirname(os.path.abspath(self.path))
+        self.scratch = tempfile.mkdtemp(prefix=".ckptbridge-scratch-", dir=parent)
+        item, save_args = _produced(self.tree, self.scratch)
+        return ocp.args.PyTreeSave(item, save_args=save_args)
+
+    def __exit__(self, *exc) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None = None, *,
-              compression: bool = True, ahead_bytes: int = AHEAD_BYTES) -> None:
+              compression: bool = True, ahead_bytes: int = AHEAD_BYTES) -> str:
     """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``
     (zstd-compressed chunks, as Orbax writes by default, unless ``compression`` is False), with
-    about ``ahead_bytes`` of values produced or being written at any time."""
+    about ``ahead_bytes`` of values produced or being written at any time. Returns the writer
+    used (:func:`orbax_writer`)."""
     ocp = _ocp()
-    with ocp.Checkpointer(_handler(compression, ahead_bytes)) as ckptr:
-        ckptr.save(storage.absolute(path), args=ocp.args.PyTreeSave(tree), custom_metadata=custom_metadata or {})
+    with _Writer(path, tree) as w, ocp.Checkpointer(_handler(compression, ahead_bytes, w.kind)) as ckptr:
+        ckptr.save(storage.absolute(path), args=w.args(), custom_metadata=custom_metadata or {})
+    return w.kind
 
 
 def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_metadata: dict | None = None,
@@ -267,9 +408,9 @@ def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_meta
     (an Orbax CheckpointManager with a PyTree item), with ``custom_metadata`` on the step."""
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    with ocp.CheckpointManager(storage.absolute(root), item_handlers={item: _handler()}, options=options) as mngr:
-        mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}),
-                  custom_metadata=custom_metadata or {}, force=True)
+    with _Writer(root, tree) as w, ocp.CheckpointManager(
+            storage.absolute(root), item_handlers={item: _handler(writer=w.kind)}, options=options) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**{item: w.args()}), custom_metadata=custom_metadata or {}, force=True)
         mngr.wait_until_finished()
     return storage.join(root, str(step), item)
 
@@ -285,6 +426,7 @@ def resolve_checkpoint(path: str, step: int | None = None, item: str = "model_pa
     """Find the Orbax item directory in ``path`` (a local directory or ``gs://``): the path itself,
     ``path/<item>``, or, for a checkpoint-manager root, ``path/<step>/<item>`` (latest step by
     default)."""
+    deps.require("orbax")
     if not storage.exists(path):
         raise InputNotFoundError(f"{path}: no such directory")
     if not storage.isdir(path):
@@ -385,7 +527,7 @@ class _TensorstoreLeaves:
         if ocdbt != storage.isfile(storage.join(path, "manifest.ocdbt")):
             return None
         driver = "zarr3" if meta.get("use_zarr3") is True else "zarr"
-        import tensorstore as ts  # imported here: a few hundred ms, only when reading Orbax
+        ts = deps.load("tensorstore", "orbax")  # imported here: a few hundred ms, only when reading Orbax
 
         context = ts.Context(cls.CONTEXT)
         base = storage.kvstore(path)
@@ -490,6 +632,7 @@ class OrbaxCheckpoint:
     :class:`_TensorstoreLeaves`) or ``"orbax"``."""
 
     def __init__(self, path: str):
+        deps.require("orbax")
         # Orbax resolves relative paths inconsistently (metadata of a relative path reads as None).
         self.path = path = storage.absolute(path)
         if not _looks_like_checkpoint(path):

@@ -13,7 +13,7 @@ import functools
 import os
 import posixpath
 
-from ckptbridge.errors import ConfigError
+from ckptbridge import deps
 
 SCHEME = "gs://"
 COMMIT_FILE = "commit_success.txt"  # what Orbax writes into a finished checkpoint on Cloud Storage
@@ -49,10 +49,7 @@ def absolute(path: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _gcs():
-    try:
-        import gcsfs
-    except ImportError:
-        raise ConfigError("gs:// paths need gcsfs; pip install 'ckptbridge[gcs]'") from None
+    gcsfs = deps.load("gcsfs", "gcs")
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     return gcsfs.GCSFileSystem(token="anon" if emulator else None)
 
