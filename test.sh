@@ -5,8 +5,8 @@
 #                                 declares), vLLM from .venv-serve-floor; without the main job and the
 #                                 per-family serving runs (the code paths the other tests take, one vLLM
 #                                 start each), nor the tests that build environments of their own
-#   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, built
-#                                 by scripts/setup.sh --newest)
+#   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, which
+#                                 scripts/setup.sh --newest builds anew)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 venv=.venv
@@ -23,5 +23,9 @@ if [ "$venv" != .venv ]; then
   select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py
           --ignore=tests/test_packaging.py --ignore=tests/test_environments.py)
 fi
-if [ "$venv" = .venv-newest ]; then scripts/setup.sh --newest; else scripts/setup.sh; fi
+scripts/setup.sh
+if [ ! -x "$venv/bin/python" ]; then
+  echo "test.sh: $venv does not exist (scripts/setup.sh --newest builds .venv-newest)" >&2
+  exit 2
+fi
 exec "$venv/bin/python" -m pytest "${select[@]}" "$@"

@@ -572,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_libraries(cpu=args.func is not cmd_env)  # env reports the accelerators JAX finds by itself
     extra = getattr(args, "extra", None)
     try:
-        deps.require(extra)
+        if args.func is not cmd_env:  # env reports what is wrong instead
+            deps.require(extra)
         _resolve_hub_refs(args)
         return args.func(args)
     except CkptBridgeError as e:

@@ -295,12 +295,14 @@ def import_failure(error: BaseException, extra: str | None = None) -> str | None
     module's top level is on its traceback), naming that package, the versions of the packages
     involved and what to do; None for any other exception."""
     chain = []  # distributions whose module top level is on the traceback, outermost first
+    called = []  # distributions with any code on the traceback
     tb = error.__traceback__
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code.co_name == "<module>":
-            dist = _dist_of_module(frame.f_globals.get("__name__"))
-            if dist is not None and dist not in chain:
+        dist = _dist_of_module(frame.f_globals.get("__name__"))
+        if dist is not None:
+            called.append(dist)
+            if frame.f_code.co_name == "<module>" and dist not in chain:
                 chain.append(dist)
         tb = tb.tb_next
     if isinstance(error, ModuleNotFoundError) and _dist_of_module(error.name) and not chain:
@@ -311,7 +313,7 @@ def import_failure(error: BaseException, extra: str | None = None) -> str | None
     failing = chain[-1]
     text = " ".join(str(error).split())
     named = [_dist_of_module(m) for m in re.findall(r"""['"]([A-Za-z_][\w.]*)['"]""", text)]
-    involved = chain[:-1] + [d for d in named if d]
+    involved = chain[:-1] + called + [d for d in named if d]
     if JAX_STACK & {failing, *involved}:
         involved += ["jax", "jaxlib"]
     involved = [d for d in dict.fromkeys(involved) if d != failing and installed_version(d)]

@@ -50,31 +50,28 @@ ensure_env() {
   echo "setup: $venv ready" >&2
 }
 
-core_steps() {
-  # torch first, pinned to the local CPU build, so that no later requirement pulls a CUDA build.
+# project_env NAME PIP...: requirements/NAME.txt within NAME.lock, then ckptbridge itself (editable).
+# torch first, pinned to the local CPU build, so that no later requirement pulls a CUDA build.
+project_env() {
+  local name="$1"; shift
   "$@" install "torch==2.13.0"
-  "$@" install -r requirements/core.txt -c requirements/core.lock
+  "$@" install -r "requirements/$name.txt" -c "requirements/$name.lock"
   "$@" install --no-deps -e .
 }
 
-serve_steps() {
+# vllm_env NAME PIP...: a vLLM environment from requirements/NAME.txt within NAME.lock.
+vllm_env() {
+  local name="$1"; shift
   "$@" install "torch==2.13.0"
-  "$@" install -r requirements/serve.txt -c requirements/serve.lock
+  "$@" install -r "requirements/$name.txt" -c "requirements/$name.lock"
   # PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` next to the CPU torch.
   "$@" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 }
 
-floor_steps() {
-  "$@" install "torch==2.13.0"
-  "$@" install -r requirements/floor.txt -c requirements/floor.lock
-  "$@" install --no-deps -e .
-}
-
-serve_floor_steps() {
-  "$@" install "torch==2.13.0"
-  "$@" install -r requirements/floor-serve.txt -c requirements/floor-serve.lock
-  "$@" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-}
+core_steps() { project_env core "$@"; }
+floor_steps() { project_env floor "$@"; }
+serve_steps() { vllm_env serve "$@"; }
+serve_floor_steps() { vllm_env floor-serve "$@"; }
 
 newest_steps() {
   "$@" install "torch==2.13.0"  # the only CPU build here; any other release is a CUDA build of several GB

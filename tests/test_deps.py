@@ -102,7 +102,8 @@ def test_installed_versions_are_importlib_metadatas():
     import importlib.metadata as md
 
     for dist in md.distributions():
-        assert deps.installed(dist.metadata["Name"]) == (dist.metadata["Name"], dist.version), dist.metadata["Name"]
+        name = dist.metadata["Name"]
+        assert deps.installed(name) == (name, md.version(name)), name
     assert deps.installed("no-such-package-here") is None
 
 
@@ -227,3 +228,15 @@ def test_env_shows_an_unusable_extra(tmp_path):
     assert "orbax-checkpoint 0.11.40 is installed" in env["extras"]["orbax"]["problems"][0]
     assert env["verbs"]["convert orbax-to-peft"] == {"extra": "orbax", "works": False}
     assert env["verbs"]["merge"]["works"] and not env["verbs"]["merge (Orbax adapter)"]["works"]
+
+
+def test_env_works_when_the_core_does_not(tmp_path, checkpoints):
+    """env is what a bug report needs: it runs whatever is wrong; a verb says what."""
+    path = fake_dists(tmp_path / "site", {"tqdm": "4.50.0"})
+    r = run_cli("env", "--json", "--no-accelerators", env={"PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)
+    assert not env["extras"]["core"]["usable"] and "tqdm 4.50.0 is installed" in env["extras"]["core"]["problems"][0]
+    assert not env["verbs"]["merge"]["works"]
+    inspect = run_cli("inspect", checkpoints["kv_text_f32_sharded"], env={"PYTHONPATH": path})
+    one_line_exit_8(inspect, "tqdm 4.50.0", "tqdm>=4.60", "pip install 'tqdm>=4.60'")
