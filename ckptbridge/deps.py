@@ -230,7 +230,7 @@ def _pip_extra(extra: str | None) -> str:
 def _problem(req, extra: str | None) -> str | None:
     found = installed(req.name)
     spec = req.specifier
-    what = "ckptbridge" if extra is None else f"the {extra} extra of ckptbridge ({PURPOSE[extra]})"
+    what = "ckptbridge" if extra is None else f"ckptbridge[{extra}]"
     if found is None:
         return (f"{req.name} is not installed here; {what} needs {req.name}{spec}: {_pip_extra(extra)}")
     dist, version = found
