@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from ckptbridge import deps
 from ckptbridge.errors import CkptBridgeError, ConfigError, InputNotFoundError
 
 EPILOG = ("exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, "
@@ -301,6 +302,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("serving: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a package that does not import with the versions beside it
+        line = deps.import_failure(e, "serve")
+        if line is None or os.environ.get("CKPTBRIDGE_DEBUG"):
+            raise
+        print(f"serving: error: {line}", file=sys.stderr)
+        return 8
 
 
 if __name__ == "__main__":

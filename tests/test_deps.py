@@ -240,3 +240,22 @@ def test_env_works_when_the_core_does_not(tmp_path, checkpoints):
     assert not env["verbs"]["merge"]["works"]
     inspect = run_cli("inspect", checkpoints["kv_text_f32_sharded"], env={"PYTHONPATH": path})
     one_line_exit_8(inspect, "tqdm 4.50.0", "tqdm>=4.60", "pip install 'tqdm>=4.60'")
+
+
+def test_training_says_so_too(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    base, out = checkpoints["kv_text_f32_sharded"], tmp_path / "run"
+    argv = [sys.executable, "-m", "training", "--preset", "tiny-cpu", "--base", base, "--out", str(out),
+            "--max-steps", "1", "--quiet"]
+    old = fake_dists(tmp_path / "old", {"optax": "0.2.0"})
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": old})
+    one_line_exit_8(r, "optax 0.2.0 is installed", "optax>=0.2.8")
+    broken = tmp_path / "broken"
+    os.makedirs(broken / "tunix")
+    (broken / "tunix" / "__init__.py").write_text(FAILING_TUNIX)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(broken)})
+    assert r.returncode == 8 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("training: error: google-tunix"), r.stderr
+    assert not out.exists()

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from ckptbridge import deps
 from ckptbridge.errors import CkptBridgeError
 
 SAMPLE_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_files", "codev_sample.jsonl")
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     for name in ("absl", "jax", "orbax", "transformers", "tunix", "grain"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
+        deps.require("train")  # before anything is read or written
         from training.config import build_config
 
         overrides = list(args.overrides)
@@ -76,6 +78,12 @@ def main(argv=None) -> int:
     except CkptBridgeError as e:
         print(f"training: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # a package that does not import with the versions beside it
+        line = deps.import_failure(e, "train")
+        if line is None or os.environ.get("CKPTBRIDGE_DEBUG"):
+            raise
+        print(f"training: error: {line}", file=sys.stderr)
+        return 8
     print(json.dumps(summary, indent=2))
     return 0
 
