@@ -330,6 +330,17 @@ def import_failure(error: BaseException, extra: str | None = None) -> str | None
             f"install versions that work together: {pip}")
 
 
+def import_failure_exit(prog: str, error: BaseException, extra: str | None) -> int | None:
+    """For a command's top level: when ``error`` is a package failing at import
+    (:func:`import_failure`), print ``PROG: error: LINE`` and return 8; else None (and always
+    None with ``CKPTBRIDGE_DEBUG=1``, for the traceback)."""
+    line = None if os.environ.get("CKPTBRIDGE_DEBUG") else import_failure(error, extra)
+    if line is None:
+        return None
+    print(f"{prog}: error: {line}", file=sys.stderr)
+    return 8
+
+
 # Installed by a declared package of this extra, not declared themselves.
 INDIRECT_EXTRA = {"jaxlib": "orbax", "etils": "orbax", "safetensors": "verify", "tokenizers": "verify"}
 

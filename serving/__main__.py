@@ -302,12 +302,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("serving: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a package that does not import with the versions beside it
-        line = deps.import_failure(e, "serve")
-        if line is None or os.environ.get("CKPTBRIDGE_DEBUG"):
+    except Exception as e:  # a package that does not import with the versions beside it: one line
+        code = deps.import_failure_exit("serving", e, "serve")
+        if code is None:
             raise
-        print(f"serving: error: {line}", file=sys.stderr)
-        return 8
+        return code
 
 
 if __name__ == "__main__":

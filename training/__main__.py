@@ -78,12 +78,11 @@ def main(argv=None) -> int:
     except CkptBridgeError as e:
         print(f"training: error: {e}", file=sys.stderr)
         return e.exit_code
-    except Exception as e:  # a package that does not import with the versions beside it
-        line = deps.import_failure(e, "train")
-        if line is None or os.environ.get("CKPTBRIDGE_DEBUG"):
+    except Exception as e:  # a package that does not import with the versions beside it: one line
+        code = deps.import_failure_exit("training", e, "train")
+        if code is None:
             raise
-        print(f"training: error: {line}", file=sys.stderr)
-        return 8
+        return code
     print(json.dumps(summary, indent=2))
     return 0
 
