@@ -43,11 +43,14 @@ def gcs():
     port = _free_port()
     proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gcs_emulator.py"), str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
+    deadline = time.time() + 120  # its imports take seconds on a busy 2-core machine
+    while True:
         try:
             socket.create_connection(("127.0.0.1", port), 0.2).close()
             break
         except OSError:
+            assert proc.poll() is None, "the GCS emulator exited at start"
+            assert time.time() < deadline, "the GCS emulator did not listen within 120 s"
             time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
     env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_CLOUD_PROJECT": "test",
