@@ -100,7 +100,7 @@ def main() -> None:
     from ckptbridge.io import orbax as orbax_io
     from ckptbridge.io.safetensors import DTYPES
     from ckptbridge.metadata import KEY, LoraRules, Metadata
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
     from ckptbridge.specs.gemma4 import text_config_kwargs
 
     tmp = args.keep or tempfile.mkdtemp(prefix="o2p-31b-")

@@ -28,7 +28,7 @@ import numpy as np
 
 from ckptbridge import deps, lora, vllm_lora
 from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
-from ckptbridge.sources import Base, open_base
+from ckptbridge.lora import Base, open_base
 from ckptbridge.verify import adapter_kind, as_peft, prompt_ids
 
 ALIAS = "vllm-alias"  # findings about modules vLLM computes with a LoRA slot of their own
@@ -77,50 +77,6 @@ class Lint:
         return {"kind": self.kind, "target": self.target, "modules": self.modules, "max_rank": self.max_rank,
                 "vllm_max_lora_rank": self.max_lora_rank, "ok": not self.errors,
                 "findings": [dataclasses.asdict(f) for f in self.findings]}
-
-
-# --------------------------------------------------------------------------- PEFT's own rules
-
-
-def peft_selects(config: dict, module: str) -> bool:
-    """Whether PEFT wraps ``module`` (a name of the base model's modules) under ``config``:
-    ``target_modules`` (a regex full-matched, or names matched as the name or its last parts),
-    ``exclude_modules``, ``modules_to_save`` and ``layers_to_transform`` as PEFT 0.21's
-    ``check_target_module_exists`` applies them (tests compare the two)."""
-    exclude = config.get("exclude_modules")
-    if exclude:
-        if isinstance(exclude, str):
-            if re.fullmatch(exclude, module):
-                return False
-        elif module in exclude or any(module.endswith(f".{e}") for e in exclude):
-            return False
-    if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in config.get("modules_to_save") or ()):
-        return False
-    targets = config.get("target_modules")
-    if targets is None:
-        return False
-    if isinstance(targets, str):
-        return re.fullmatch(targets, module) is not None
-    if module in targets:
-        return True
-    if not any(module.endswith(f".{t}") for t in targets):
-        return False
-    layers = config.get("layers_to_transform")
-    if layers is None or (isinstance(layers, list) and not layers):
-        return True
-    patterns = config.get("layers_pattern")
-    if not patterns:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
-    else:
-        m = None
-        for pattern in [patterns] if isinstance(patterns, str) else patterns:
-            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
-            if m:
-                break
-    if not m:
-        return False
-    idx = int(m.group("idx"))
-    return idx == layers if isinstance(layers, int) else idx in layers
 
 
 # --------------------------------------------------------------------------- lint
@@ -284,10 +240,10 @@ def _lint_peft(lint: Lint, b: Base) -> None:
     from ckptbridge.io.safetensors import SafetensorsFile
 
     src, target = lint.adapter, lint.target
-    cfg = lora.read_adapter_config(src)
+    cfg = lora.AdapterConfig.read(src)
     where = os.path.join(src, lora.ADAPTER_CONFIG)
-    if cfg.get("peft_type") != "LORA":
-        lint.add("error", "format", f"{where}: peft_type {cfg.get('peft_type')!r}; only LoRA adapters can be checked")
+    if cfg.peft_type != "LORA":
+        lint.add("error", "format", f"{where}: peft_type {cfg.peft_type!r}; only LoRA adapters can be checked")
         return
     _lint_features(lint, cfg, where, b)
     weights = os.path.join(src, lora.ADAPTER_WEIGHTS)
@@ -307,13 +263,13 @@ def _lint_peft(lint: Lint, b: Base) -> None:
         modules: dict[str, list] = {}
         others = []
         for key in f.keys():
-            m = lora._PEFT_KEY.match(key[len(lora.PEFT_PREFIX):] if key.startswith(lora.PEFT_PREFIX) else "")
-            if not m or m.group("adapter") not in (None, "default"):
+            parsed = lora.parse_factor_key(key)
+            if parsed is None:
                 others.append(key)
                 continue
-            modules.setdefault(m.group("module"), [None, None])["AB".index(m.group("ab"))] = key
+            modules.setdefault(parsed[0], [None, None])["AB".index(parsed[1])] = key
         if others:
-            why = ("modules_to_save weights" if cfg.get("modules_to_save") else "not LoRA factors")
+            why = ("modules_to_save weights" if cfg.modules_to_save else "not LoRA factors")
             lint.add("error" if target == "vllm" else "warning", "format",
                      f"{weights}: {len(others)} tensor(s) are {why} (e.g. {others[0]}); vLLM and Tunix take LoRA "
                      "factors only")
@@ -323,39 +279,37 @@ def _lint_peft(lint: Lint, b: Base) -> None:
         _lint_peft_modules(lint, b, cfg, f, modules, source)
 
 
-def _lint_features(lint: Lint, cfg: dict, where: str, b: Base) -> None:
+def _lint_features(lint: Lint, cfg: lora.AdapterConfig, where: str, b: Base) -> None:
     vllm = lint.target == "vllm"
     merge = ("merge it with PEFT (`merge_and_unload`) and serve the merged model" if vllm else
              "transformers+PEFT apply it, but it cannot go to Tunix (no exact check)")
-    if cfg.get("use_dora"):
+    if cfg.use_dora:
         lint.add("error" if vllm else "warning", "dora", f"{where}: DoRA (use_dora): vLLM refuses it and qwix has no "
                  f"equivalent; {merge}")
-    if cfg.get("modules_to_save"):
+    if cfg.modules_to_save:
         lint.add("error" if vllm else "warning", "modules_to_save",
-                 f"{where}: modules_to_save {cfg['modules_to_save']} trains whole modules; vLLM refuses them and a "
+                 f"{where}: modules_to_save {cfg.modules_to_save} trains whole modules; vLLM refuses them and a "
                  f"qwix LoRA cannot carry them; {merge}")
-    if cfg.get("lora_bias") or cfg.get("bias") not in (None, "none"):
-        lint.add("error" if vllm else "warning", "bias", f"{where}: LoRA biases (bias={cfg.get('bias')!r}, lora_bias="
-                 f"{cfg.get('lora_bias')!r}): vLLM refuses them and qwix has none; {merge}")
+    if cfg.lora_bias or cfg.bias not in (None, "none"):
+        lint.add("error" if vllm else "warning", "bias", f"{where}: LoRA biases (bias={cfg.bias!r}, lora_bias="
+                 f"{cfg.lora_bias!r}): vLLM refuses them and qwix has none; {merge}")
     for field in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens"):
         if cfg.get(field):
             lint.add("error" if vllm else "warning", "features", f"{where}: {field} is set; vLLM and Tunix cannot "
                      f"apply it; {merge}")
-    if cfg.get("use_rslora"):
+    if cfg.use_rslora:
         lint.add("info", "scale", f"{where}: rsLoRA (scale alpha / sqrt(r)): honoured by PEFT, vLLM and ckptbridge's "
                                   "conversions")
-    if vllm and (cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
+    if vllm and (cfg.rank_pattern or cfg.alpha_pattern):
         lint.add("info", "patterns", f"{where}: rank_pattern/alpha_pattern set: vLLM 0.32 (this project's serving "
                                      "environment) honours them; releases before it used the global r/lora_alpha "
                                      "for every module (re-export with `--target vllm` for one uniform rank)")
-    for field in ("r", "lora_alpha"):
-        v = cfg.get(field)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            lint.add("error", "format", f"{where}: {field} must be a positive number, found {v!r}")
-    _check_recorded_base(lint, b, cfg.get("base_model_name_or_path"), where)
+    for problem in cfg.number_problems():
+        lint.add("error", "format", f"{where}: {problem}")
+    _check_recorded_base(lint, b, cfg.base_model_name_or_path, where)
 
 
-def _lint_peft_modules(lint: Lint, b: Base, cfg: dict, f, modules: dict, source: str | None) -> None:
+def _lint_peft_modules(lint: Lint, b: Base, cfg: lora.AdapterConfig, f, modules: dict, source: str | None) -> None:
     src, weights = lint.adapter, f.path
     where = os.path.join(src, lora.ADAPTER_CONFIG)
     known = b.by_hf_module()
@@ -386,18 +340,17 @@ def _lint_peft_modules(lint: Lint, b: Base, cfg: dict, f, modules: dict, source:
                  f"{weights}: module names use the key prefix {sorted(used)[0]} while BASE's modules are under "
                  f"{b.prefix}; PEFT loads LoRA tensors by module name, so none of them would load; {fix}")
     # what PEFT wraps: target_modules against BASE's module names
-    selected = [n for n in sorted(base_names) if peft_selects(cfg, n)]
+    selected = [n for n in sorted(base_names) if cfg.selects(n)]
     if not selected:
-        lint.add("error", "targets", f"{where}: target_modules {cfg.get('target_modules')!r} match no module of BASE "
+        lint.add("error", "targets", f"{where}: target_modules {cfg.target_modules!r} match no module of BASE "
                                      f"{b.path}: PEFT refuses to load it and nothing would be applied")
     else:
-        skipped = [n for n in own if n not in alias_of and not peft_selects(cfg, n)]
+        skipped = [n for n in own if n not in alias_of and not cfg.selects(n)]
         if skipped:
             lint.add("error", "targets", f"{where}: {len(skipped)} module(s) have LoRA tensors that target_modules "
-                                         f"{cfg.get('target_modules')!r} does not select (e.g. {skipped[0]}): PEFT "
+                                         f"{cfg.target_modules!r} does not select (e.g. {skipped[0]}): PEFT "
                                          "loads them into nothing; list them in target_modules")
     # shapes, ranks, dtypes
-    r = cfg.get("r")
     bad_shape, bad_rank, half, misfit = [], [], [], set()
     for name, (ka, kb) in own.items():
         if ka is None or kb is None:
@@ -412,7 +365,7 @@ def _lint_peft_modules(lint: Lint, b: Base, cfg: dict, f, modules: dict, source:
                              f"{want['b_peft']}")
             misfit.add(name)
             continue
-        r_m = lora._pattern_value(cfg.get("rank_pattern") or {}, name, r)
+        r_m = cfg.rank_of(name)
         if isinstance(r_m, (int, float)) and int(r_m) != rank:
             bad_rank.append(f"{name} has rank {rank}, the config says {r_m}")
         lint.max_rank = max(lint.max_rank, rank)
@@ -519,15 +472,15 @@ def _exact(lint: Lint, adapter: str, peft_dir: str, base: str, tokens, peft_logi
     try:
         import jax
 
-        from ckptbridge.tunix_model import load_tunix_adapter, mismatch_line
+        from ckptbridge.tunix_model import load_tunix_adapter
     except ModuleNotFoundError as e:
         return {"ok": None, "skipped": f"Tunix is not installed here ({e.name}); install ckptbridge[verify]"}
     except ImportError as e:  # installed, but not in versions that import together
         raise deps.DependencyError(deps.import_failure(e, "verify") or str(e)) from None
-    from ckptbridge.sources import open_base
     from ckptbridge.verify import rel_l2, tunix_logits
 
-    line = mismatch_line(open_base(base).cfg)
+    b = open_base(base)
+    line = b.spec.mismatch_line(b.cfg)
     if line is not None:  # Tunix's logits would differ with or without the adapter
         return {"ok": None, "skipped": line}
 

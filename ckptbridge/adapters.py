@@ -16,43 +16,19 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import deps, hub, lora, model_card, vllm_lora
+from ckptbridge import deps, hub, lora, model_card, specs, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.safetensors import PlannedTensor, write_file
-from ckptbridge.lora import LoraModule, Scaling
+from ckptbridge.lora import Base, LoraModule, Scaling, open_base
 from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_version
 from ckptbridge.progress import Progress
-from ckptbridge.sources import Base, open_base
-from ckptbridge.tunix_model import note_mismatch
 
 log = logging.getLogger(__name__)
 TARGETS = ("hf", "vllm")
 KV_MODES = ("exact", "svd")
-
-
-def _target_modules_regex(names: list[str], base: Base) -> str:
-    """A regex that PEFT full-matches against exactly the text-model modules in ``names``: layer
-    modules grouped by their name inside the layer (``\\d+`` when present in every layer), model
-    modules by name."""
-    all_layers = {str(layer.index) for layer in base.cfg.layers}
-    head = base.module_prefix + "layers."
-    layers_of: dict[str, set[str]] = {}
-    top = []
-    for name in names:
-        if name.startswith(head) and name[len(head):].split(".", 1)[0].isdigit():
-            idx, suffix = name[len(head):].split(".", 1)
-            layers_of.setdefault(suffix, set()).add(idx)
-        else:
-            top.append(re.escape(name))
-    by_layers: dict[str, list[str]] = {}
-    for suffix, layers in sorted(layers_of.items()):
-        key = r"\d+" if layers == all_layers else "(?:" + "|".join(sorted(layers, key=int)) + ")"
-        by_layers.setdefault(key, []).append(re.escape(suffix))
-    parts = [f"{re.escape(head)}{key}\\.(?:{'|'.join(sfx)})" for key, sfx in by_layers.items()] + sorted(set(top))
-    return parts[0] if len(parts) == 1 else "|".join(f"(?:{p})" for p in parts)
 
 
 def _step_of(ad: lora.OrbaxLora) -> int | None:
@@ -61,32 +37,6 @@ def _step_of(ad: lora.OrbaxLora) -> int | None:
         return ad.metadata.step
     name = storage.basename(storage.dirname(storage.absolute(ad.path)))
     return int(name) if name.isdigit() else None
-
-
-def _adapter_config(base: Base, names: list[str], r: int, alpha: float, rank_pattern: dict,
-                    alpha_pattern: dict, dropout: float = 0.0, base_id: str | None = None) -> dict:
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_id or os.path.abspath(base.path),
-        "r": r,
-        "lora_alpha": lora.plain_number(alpha),
-        "target_modules": _target_modules_regex(names, base),
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
-        "lora_dropout": dropout,
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "lora_bias": False,
-        "revision": None,
-    }
 
 
 def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = None, alpha: float | None = None,
@@ -109,7 +59,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
     base_id = model_card.hub_id(b.path, base_id)
-    mismatch = note_mismatch(b.cfg)
+    mismatch = specs.note_mismatch(b.cfg)
     warnings: list[str] = []
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
         # every HF module that gets factors: (name, module, index into the module's pairs, scaling)
@@ -171,7 +121,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                                          lambda mod=mod, i=i, sc=sc: pair(mod, i, sc)[1]))
         names = [name for name, _, _, _ in plan]
         dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
-        config = _adapter_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
+        config = lora.export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
         card = model_card.adapter_card(
             base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=_step_of(ad),
             rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
@@ -184,9 +134,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         with atomic_directory(dst, overwrite) as tmp:
             os.makedirs(tmp)
             write_file(os.path.join(tmp, lora.ADAPTER_WEIGHTS), tensors, meta, on_tensor=lambda t: bar.update(t.nbytes))
-            with open(os.path.join(tmp, lora.ADAPTER_CONFIG), "w") as f:
-                json.dump(config, f, indent=2)
-                f.write("\n")
+            config.write(tmp)
             with open(os.path.join(tmp, model_card.FILENAME), "w") as f:
                 f.write(card)
         bar.close()
@@ -298,7 +246,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
     src, base = hub.local(src, hub.ADAPTER, what="adapter"), hub.local(base, hub.CONFIG, what="base model")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
-    mismatch = note_mismatch(b.cfg)
+    mismatch = specs.note_mismatch(b.cfg)
     with lora.open_peft_lora(src, b) as ad:
         if ad.params:
             names = sorted({name.split("layers.", 1)[-1].split(".", 1)[-1] for name in ad.params})
@@ -324,7 +272,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
             flat[leaf_b + ("value",)] = orbax_io.LazyArray(shapes["b_tunix"], plan.dtype, lambda m=mod: factors(m)[1])
         rules = lora.rules_for({m: p.scaling for m, p in plans.items()}, b.modules)
         meta = {KEY: Metadata(
-            kind="lora", family=b.spec.name, lora=LoraRules(rules, float(ad.config.get("lora_dropout") or 0.0)),
+            kind="lora", family=b.spec.name, lora=LoraRules(rules, float(ad.config.lora_dropout or 0.0)),
             base=os.path.abspath(b.path), key_prefix=b.prefix, source=os.path.abspath(src), kv=kv,
             tunix_version=installed_tunix_version(),
         ).to_json()}

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ckptbridge import deps, hub, mapping
+from ckptbridge import deps, hub, mapping, specs
 from ckptbridge.errors import ConfigError
 from ckptbridge.io import DEFAULT_CHUNK_SIZE
 from ckptbridge.io import orbax as orbax_io
@@ -28,7 +28,6 @@ from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.progress import Progress
 from ckptbridge.specs.base import tunix_version_key
 from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
-from ckptbridge.tunix_model import note_mismatch
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -92,7 +91,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     src = hub.local(src, hub.MODEL)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
-        mismatch = note_mismatch(source.cfg)
+        mismatch = specs.note_mismatch(source.cfg)
         flat = {e.tunix_path: _leaf(source, e, chunk_bytes)
                 for e in mapping.for_tunix_version(source.entries, target)}
         total = sum(leaf.nbytes for leaf in flat.values())
@@ -205,7 +204,7 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
         raise ConfigError(f"--max-shard-size: {e}") from None
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source, contextlib.ExitStack() as stack:
-        mismatch = note_mismatch(source.cfg)
+        mismatch = specs.note_mismatch(source.cfg)
         source.read_ahead_max = chunk_bytes
         pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="o2s"))
         planned = [t for e in source.entries for t in _hf_tensors(source, e, chunk_bytes, pool)]

@@ -11,8 +11,7 @@ import numpy as np
 from ckptbridge.errors import CorruptFileError, InputNotFoundError
 from ckptbridge.qwix_lora import is_lora_a, is_lora_leaf
 from ckptbridge.sources import is_hf_directory
-from ckptbridge.specs import parse_config
-from ckptbridge.tunix_model import config_mismatches
+from ckptbridge.specs import get_family, parse_config
 
 
 def _count(shape) -> int:
@@ -42,7 +41,7 @@ def _inspect_hf(path: str) -> dict:
         "bytes": nbytes,
         "files": files,
         "towers": list(cfg.towers),
-        "tunix_mismatch": config_mismatches(cfg),  # what the family's Tunix model computes otherwise
+        "tunix_mismatch": get_family(cfg.family).config_mismatches(cfg),  # what the family's Tunix model computes otherwise
     }
     try:
         with open_hf_source(path, skip_multimodal=True) as source:
@@ -74,7 +73,7 @@ def _inspect_orbax(path: str, step: int | None) -> dict:
         if isinstance(meta.get("hf_config"), dict):
             cfg = parse_config(meta["hf_config"], f"{item} (metadata)")
             out.update(family=cfg.family, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
-                       tunix_mismatch=config_mismatches(cfg))
+                       tunix_mismatch=get_family(cfg.family).config_mismatches(cfg))
         if lora:
             ranks = Counter()
             for p, (shape, _) in leaves.items():

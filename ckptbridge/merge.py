@@ -22,7 +22,6 @@ from ckptbridge.errors import ConfigError, MismatchError
 from ckptbridge.io.atomic import check_destination
 from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size
-from ckptbridge.sources import open_base
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of one block of merged rows
 WORKERS = 2  # threads merging blocks (numpy and BLAS release the GIL), ahead of the writer
@@ -117,7 +116,7 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
         raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
     base, adapter = hub.local(base, hub.MODEL, what="base model"), hub.local(adapter, hub.ADAPTER, what="adapter")
     check_destination(dst, [base, adapter], overwrite)
-    b = open_base(base)
+    b = lora.open_base(base)
     with HFModelDir(base) as model, lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad, \
             ThreadPoolExecutor(WORKERS, thread_name_prefix="merge") as pool, \
             threadpool_limits(1, user_api="blas"):  # one BLAS thread per worker: 1.5x faster than 2 x 2 here

@@ -182,7 +182,7 @@ def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: in
 
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
 
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
 
     rules = rules or [{"module_path": lora_targets(open_base(base_dir).spec.name), "rank": 4, "alpha": 12.0}]
     model, _ = load_tunix_model(base_dir, param_dtype=np.float32, skip_multimodal=True,
@@ -217,7 +217,7 @@ def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: f
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
     from ckptbridge.verify import hf_model_class
 
     b = open_base(base_dir)
@@ -243,9 +243,8 @@ def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha:
     import numpy as np
 
     from ckptbridge import lora
-    from ckptbridge.adapters import _adapter_config
     from ckptbridge.io.safetensors import DTYPES, PlannedTensor, write_file
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
 
     base = open_base(base_dir)
     np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"]}[dtype]
@@ -261,8 +260,7 @@ def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha:
                 tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_{ab}.weight", np_dtype, shape, produce))
     os.makedirs(out_dir, exist_ok=True)
     write_file(os.path.join(out_dir, lora.ADAPTER_WEIGHTS), tensors)
-    with open(os.path.join(out_dir, lora.ADAPTER_CONFIG), "w") as f:
-        json.dump(_adapter_config(base, names, r, lora_alpha, {}, {}), f, indent=2)
+    lora.export_config(base, names, r, lora_alpha, {}, {}).write(out_dir)
     return out_dir
 
 

@@ -36,31 +36,9 @@ def tunix_model_class(spec: FamilySpec):
     return getattr(importlib.import_module(t.module), t.model_class)
 
 
-def config_mismatches(cfg: ModelConfig) -> list[str]:
-    """What the HF config asks for that the family's Tunix model does not compute (empty when
-    Tunix computes what transformers computes, or when the family builds no Tunix model)."""
-    spec = get_family(cfg.family)
-    if spec.tunix is None or spec.tunix.mismatches is None:
-        return []
-    return list(spec.tunix.mismatches(cfg))
-
-
 def mismatch_line(cfg: ModelConfig) -> str | None:
-    """One line saying what the Tunix model computes differently from transformers, or None."""
-    problems = config_mismatches(cfg)
-    if not problems:
-        return None
-    return (f"config.json: {'; '.join(problems)}: the Tunix {cfg.family} model computes another model than "
-            "transformers (the files themselves convert exactly)")
-
-
-def note_mismatch(cfg: ModelConfig) -> str | None:
-    """For conversions, which go on (every tensor converts exactly): log the mismatch line, if
-    any, and return it for the report."""
-    line = mismatch_line(cfg)
-    if line is not None:
-        log.warning("%s", line)
-    return line
+    """One line saying what the Tunix model of ``cfg``'s family computes differently, or None."""
+    return get_family(cfg.family).mismatch_line(cfg)
 
 
 def check_config(cfg: ModelConfig, allow_config_mismatch: bool, *, warn: bool = True) -> None:
@@ -240,7 +218,7 @@ def load_tunix_adapter(base: str, src: str, *, step: int | None = None, alpha: f
     from flax import nnx
 
     from ckptbridge import lora
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
 
     b = open_base(base)
     with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:

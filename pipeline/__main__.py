@@ -119,7 +119,7 @@ def run(args) -> dict:
     report: dict = {"settings": "smallest" if args.smallest else "default", "data": data, "problems": problems}
 
     # 1. base
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
 
     if args.base:
         steps("base", f"base model: {args.base}")

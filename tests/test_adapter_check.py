@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ckptbridge import lora
-from ckptbridge.adapter_check import lint_adapter, peft_selects, verify_adapter
+from ckptbridge.adapter_check import lint_adapter, verify_adapter
+from ckptbridge.lora import AdapterConfig
 from ckptbridge.adapters import convert_orbax_to_peft
 from ckptbridge.io.safetensors import PlannedTensor, SafetensorsFile, write_file
 from ckptbridge.testing import lora_targets, build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
@@ -189,4 +190,4 @@ def test_peft_selects_as_peft_does():
         full = SimpleNamespace(**{"exclude_modules": None, "modules_to_save": None, "target_parameters": None,
                                   "layers_to_transform": None, "layers_pattern": None, **cfg})
         for name in names:
-            assert peft_selects(cfg, name) == bool(check_target_module_exists(full, name)), (cfg, name)
+            assert AdapterConfig.from_json(cfg, "test").selects(name) == bool(check_target_module_exists(full, name)), (cfg, name)

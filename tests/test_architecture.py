@@ -1,5 +1,6 @@
-"""The package's shape: families live only in their spec modules, and ckptbridge's own modules
-import each other without cycles (function-level imports included)."""
+"""The package's shape: families live only in their spec modules, ckptbridge's own modules
+import each other without cycles (function-level and ``TYPE_CHECKING`` imports included), and
+the file conversions do not import the Tunix model builder."""
 
 import ast
 import os
@@ -37,14 +38,10 @@ def test_no_module_outside_specs_names_a_family():
 
 
 def _imports(path: str, module: str) -> set[str]:
-    """ckptbridge modules imported anywhere in ``path`` (outside ``if TYPE_CHECKING:``)."""
+    """ckptbridge modules imported anywhere in ``path`` (in functions and under ``if TYPE_CHECKING:`` too)."""
     tree = ast.parse(open(path).read())
     out = set()
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
@@ -56,11 +53,7 @@ def _imports(path: str, module: str) -> set[str]:
 
 
 def test_no_import_cycles():
-    modules = {}
-    for path in _sources("ckptbridge"):
-        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-        modules[rel.removesuffix(".__init__")] = path
-    graph = {m: {i for i in _imports(p, m) if i in modules} for m, p in modules.items()}
+    graph = _module_graph()
     # a package's __init__ importing its own submodules is not a cycle through them
     state: dict[str, int] = {}
     cycles = []
@@ -80,3 +73,31 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in _sources("ckptbridge"):
+        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        modules[rel.removesuffix(".__init__")] = path
+    return {m: {i for i in _imports(p, m) if i in modules} for m, p in modules.items()}
+
+
+def test_file_conversions_do_not_import_the_tunix_model_builder():
+    """What Tunix computes differently is a family fact (FamilySpec.config_mismatches), not a
+    reason for a file conversion to load the JAX model builder."""
+    graph = _module_graph()
+    for module in ("ckptbridge.convert", "ckptbridge.adapters", "ckptbridge.merge", "ckptbridge.inspect"):
+        assert "ckptbridge.tunix_model" not in graph[module], module
+
+
+def test_type_checking_imports_are_counted():
+    """The cycle test sees imports under ``if TYPE_CHECKING:`` (a cycle hidden there is still one)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ckptbridge.lora import Base\n")
+    try:
+        assert _imports(f.name, "ckptbridge.x") >= {"ckptbridge.lora", "ckptbridge.lora.Base"}
+    finally:
+        os.unlink(f.name)

@@ -12,7 +12,7 @@ from ckptbridge.errors import ConfigError, MismatchError, OutputError, Unsupport
 from ckptbridge.io.orbax import OrbaxCheckpoint, nest
 from ckptbridge.io.safetensors import SafetensorsFile
 from ckptbridge.merge import merge_lora
-from ckptbridge.sources import open_base
+from ckptbridge.lora import open_base
 from ckptbridge.testing import lora_targets, build_peft_adapter, build_tunix_lora, save_tunix_lora
 from ckptbridge.verify import hf_logits, peft_logits, rel_l2, tunix_logits
 

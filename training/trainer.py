@@ -80,7 +80,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     import orbax.checkpoint as ocp
     from ckptbridge import qwix_lora
-    from ckptbridge.sources import open_base
+    from ckptbridge.lora import open_base
     from ckptbridge.tunix_model import apply_lora_rules, check_config, load_tunix_model
     from training.mesh import make_mesh
 

@@ -6,6 +6,8 @@ Adding a family is one module that builds a :class:`FamilySpec` plus one line be
 
 from __future__ import annotations
 
+import logging
+
 from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
@@ -16,6 +18,7 @@ from ckptbridge.specs.llama3 import LLAMA3
 from ckptbridge.specs.qwen2 import QWEN2
 from ckptbridge.specs.qwen3 import QWEN3
 
+log = logging.getLogger(__name__)
 FAMILIES: dict[str, FamilySpec] = {}
 DEFAULT_FAMILY = GEMMA4.name  # the family the main job and the examples use unless told otherwise
 
@@ -65,5 +68,14 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     return family_for(hf_config, where).parse_config(hf_config, where)
 
 
+def note_mismatch(cfg: ModelConfig) -> str | None:
+    """For conversions, which go on (every tensor converts exactly): log what the Tunix model of
+    ``cfg``'s family computes differently from transformers, if anything, and return that line."""
+    line = get_family(cfg.family).mismatch_line(cfg)
+    if line is not None:
+        log.warning("%s", line)
+    return line
+
+
 __all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "TensorRule", "TunixModel", "family_for", "family_of", "get_family",
-           "parse_config", "register", "GEMMA3", "GEMMA4", "LLAMA3", "QWEN2", "QWEN3"]
+           "note_mismatch", "parse_config", "register", "GEMMA3", "GEMMA4", "LLAMA3", "QWEN2", "QWEN3"]

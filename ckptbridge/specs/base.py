@@ -268,6 +268,23 @@ class FamilySpec:
         """qwix module names that can carry LoRA, in table order."""
         return tuple(dict.fromkeys(r.lora for r in self.rules if r.lora))
 
+    def config_mismatches(self, cfg: Any) -> list[str]:
+        """What the HF config ``cfg`` (a ModelConfig of this family) asks for that the family's Tunix
+        model does not compute; empty when Tunix computes what transformers computes, or when the
+        family builds no Tunix model."""
+        if self.tunix is None or self.tunix.mismatches is None:
+            return []
+        return list(self.tunix.mismatches(cfg))
+
+    def mismatch_line(self, cfg: Any) -> str | None:
+        """One line saying what the Tunix model computes differently from transformers, or None.
+        The files convert exactly either way; conversions log it and put it in their report."""
+        problems = self.config_mismatches(cfg)
+        if not problems:
+            return None
+        return (f"config.json: {'; '.join(problems)}: the Tunix {self.name} model computes another model than "
+                "transformers (the files themselves convert exactly)")
+
     def module_prefix(self, prefix: str) -> str:
         """The transformers (and PEFT) module-name prefix of modules stored under ``prefix``."""
         return self.module_prefixes.get(prefix, prefix)

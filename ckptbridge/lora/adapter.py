@@ -1,0 +1,47 @@
+"""An adapter of either kind (PEFT directory or Tunix/qwix Orbax LoRA checkpoint) and its deltas."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Union
+
+import numpy as np
+
+from ckptbridge.errors import ConfigError, InputNotFoundError
+from ckptbridge.io import storage
+from ckptbridge.lora.base import Base
+from ckptbridge.lora.modules import tunix_to_peft
+from ckptbridge.lora.orbax import OrbaxLora, open_orbax_lora
+from ckptbridge.lora.peft import ADAPTER_CONFIG, PeftLora, open_peft_lora
+
+Adapter = Union[PeftLora, OrbaxLora]
+
+
+def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> Adapter:
+    """A PEFT adapter directory or a Tunix/qwix Orbax LoRA checkpoint (local or on Cloud Storage)."""
+    if storage.is_remote(src):
+        return open_orbax_lora(src, base, step=step, alpha=alpha)
+    if not os.path.exists(src):
+        raise InputNotFoundError(f"{src}: no such adapter directory")
+    if os.path.isfile(os.path.join(src, ADAPTER_CONFIG)):
+        if alpha is not None or step is not None:
+            raise ConfigError(f"{src}: alpha/step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
+        return open_peft_lora(src, base)
+    return open_orbax_lora(src, base, step=step, alpha=alpha)
+
+
+def hf_deltas(adapter: Adapter) -> Iterable[tuple[str, int, float, tuple[np.ndarray, np.ndarray]]]:
+    """(HF key, first row, scale, (lora_A, lora_B)) for every LoRA delta of an adapter of either
+    kind, in PEFT layout: ``scale * B @ A`` adds to rows ``first row :`` ``+ len(B)`` of the key's
+    tensor seen as a matrix ``(prod(shape[:-1]), shape[-1])``. For an Orbax checkpoint each
+    module is read and converted when reached."""
+    if isinstance(adapter, PeftLora):
+        for module in adapter.keys:
+            yield adapter.base.weight_key(module), 0, adapter.scaling[module].scale, adapter.pair(module)
+        for param in adapter.params.values():
+            for key, row, pair in param.expert_deltas(adapter.file):
+                yield key, row, param.scaling.scale, pair
+    else:
+        for mod, sc in adapter.scaling.items():
+            for name, pair in zip(mod.hf_modules, tunix_to_peft(mod, *adapter.factors(mod))):
+                yield adapter.base.weight_key(name), 0, sc.scale, pair

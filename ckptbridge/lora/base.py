@@ -1,0 +1,92 @@
+"""The HF base model an adapter belongs to: its config, family, key prefixes and LoRA modules."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from ckptbridge.config import ModelConfig, read_config_file
+from ckptbridge.errors import CorruptFileError, InputNotFoundError
+from ckptbridge.io.hf import INDEX_NAME
+from ckptbridge.lora.modules import LoraModule, lora_modules
+from ckptbridge.sources import find_prefix, open_hf_source
+from ckptbridge.specs import FamilySpec, family_for
+
+
+@dataclasses.dataclass
+class Base:
+    """The HF base model an adapter belongs to: config, family, key prefixes (no weights read).
+
+    ``prefix`` is the key prefix of the base's files; ``module_prefix`` the prefix of the same
+    modules inside transformers, which PEFT adapters use (they differ for some multimodal
+    checkpoints). ``modules`` are named with ``module_prefix``.
+    """
+
+    path: str
+    cfg: ModelConfig
+    spec: FamilySpec
+    prefix: str
+    modules: list[LoraModule]
+    module_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        self.module_prefix = self.module_prefix or self.prefix
+
+    def by_hf_module(self) -> dict[str, tuple[LoraModule, int]]:
+        return {name: (m, i) for m in self.modules for i, name in enumerate(m.hf_modules)}
+
+    def by_leaf(self) -> dict[tuple[str, ...], tuple[LoraModule, int]]:
+        return {leaf: (m, i) for m in self.modules for i, leaf in enumerate(m.leaves)}
+
+    def vllm_aliases(self) -> dict[str, str]:
+        """Modules a vLLM export adds -> the module whose factors they repeat."""
+        return {alias: m.hf_modules[0] for m in self.modules for alias in m.vllm_aliases}
+
+    def module_names(self) -> dict[str, str]:
+        """Every LoRA module name an adapter may use for this base (under any key prefix of the
+        family, vLLM repeats included) -> the name the base's modules have."""
+        names: dict[str, str] = {}
+        for name in [*self.by_hf_module(), *self.vllm_aliases()]:
+            rest = name[len(self.module_prefix):] if name.startswith(self.module_prefix) else None
+            for p in self.spec.key_prefixes if rest is not None else ():
+                names.setdefault(p + rest, name)
+            names.setdefault(name, name)
+        return names
+
+    def weight_key(self, module: str) -> str:
+        """The key of ``module``'s weight in the base's files."""
+        if self.module_prefix != self.prefix and module.startswith(self.module_prefix):
+            module = self.prefix + module[len(self.module_prefix):]
+        return f"{module}.weight"
+
+
+def _index_keys(index_path: str) -> list[str]:
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"{index_path}: not a safetensors index ({e}); re-download it") from None
+    return list(weight_map)
+
+
+def open_base(path: str) -> Base:
+    """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
+    if not os.path.isdir(path):
+        raise InputNotFoundError(f"{path}: --base must be the HF base model directory (with config.json)")
+    config_path = os.path.join(path, "config.json")
+    hf_config = read_config_file(config_path)
+    spec = family_for(hf_config, config_path)
+    cfg = spec.parse_config(hf_config, config_path)
+    prefix = cfg.default_key_prefix
+    if any(n.endswith(".safetensors") for n in os.listdir(path)):
+        with open_hf_source(path, skip_multimodal=True) as source:
+            prefix = source.prefix
+    elif os.path.isfile(os.path.join(path, INDEX_NAME)):  # config and index only (a Hub base whose weights stay there)
+        prefix = find_prefix(spec, _index_keys(os.path.join(path, INDEX_NAME))) or prefix
+    module_prefix = spec.module_prefix(prefix)
+    return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, module_prefix), module_prefix)
+
+
