@@ -7,8 +7,14 @@
 #                                 start each), nor the tests that build environments of their own
 #   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, which
 #                                 scripts/setup.sh --newest builds anew)
+#   ./test.sh --lint              ruff (ckptbridge/, configured in pyproject.toml) and mypy (ckptbridge/)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
+if [ "${1:-}" = "--lint" ]; then
+  scripts/setup.sh
+  .venv/bin/ruff check ckptbridge
+  exec .venv/bin/mypy
+fi
 venv=.venv
 select=()
 if [ "${1:-}" = "--floor" ]; then

@@ -6,8 +6,9 @@ Three checks, cheapest first:
   fits its shape; ``target_modules`` selects those modules (PEFT applies nothing it does not
   select); factors are finite and not all zero; a vLLM-bound adapter carries the copies vLLM
   needs under the family's module aliases (a ``v_proj`` computed from ``k_proj``); rank against
-  vLLM's ``--max-lora-rank``; features vLLM or Tunix cannot take (DoRA, ``modules_to_save``, biases); ``base_model_name_or_path`` against
-  BASE's config. One :class:`Finding` per problem, each one line with its fix.
+  vLLM's ``--max-lora-rank``; features vLLM or Tunix cannot take (DoRA, ``modules_to_save``,
+  biases); ``base_model_name_or_path`` against BASE's config. One :class:`Finding` per problem,
+  each one line with its fix.
 * **live** (transformers + PEFT): the adapter moves BASE's logits (relative L2 of the change).
 * **exact**: transformers + PEFT logits against Tunix + qwix logits of the same adapter, converted
   through ckptbridge in whichever direction is needed (float32, relative L2).
@@ -19,23 +20,22 @@ An adapter is a PEFT directory or a Tunix/qwix Orbax LoRA checkpoint in any form
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import re
 import tempfile
 
 import numpy as np
 
-from ckptbridge import deps, lora, vllm_lora
+from ckptbridge import deps, lora, options, vllm_lora
 from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
 from ckptbridge.lora import Base, open_base
+from ckptbridge.options import EXACT_TOLERANCE, LIVE_TOLERANCE, TARGETS
+from ckptbridge.report import Report
 from ckptbridge.verify import adapter_kind, as_peft, prompt_ids
 
 ALIAS = "vllm-alias"  # findings about modules vLLM computes with a LoRA slot of their own
 
-TARGETS = ("hf", "vllm")
-LIVE_TOLERANCE = 1e-6  # below this relative change of the logits, an adapter does nothing
-EXACT_TOLERANCE = 1e-4  # transformers+PEFT vs Tunix+qwix, float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,8 @@ class Lint:
 
 
 def _config_summary(hf_config: dict) -> dict:
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    sub = hf_config.get("text_config")
+    text: dict = sub if isinstance(sub, dict) else hf_config
     return {"model_type": text.get("model_type"), "hidden_size": text.get("hidden_size"),
             "num_hidden_layers": text.get("num_hidden_layers"), "vocab_size": text.get("vocab_size")}
 
@@ -179,8 +180,7 @@ def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | Non
                  alpha: float | None = None) -> Lint:
     """Check an adapter against BASE for ``target`` ("hf": transformers/PEFT, "vllm") from files alone.
     Inputs that cannot be read at all (missing, corrupt) raise as the conversions do."""
-    if target not in TARGETS:
-        raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    options.choice("target", target, TARGETS)
     if not os.path.exists(adapter):
         from ckptbridge.errors import InputNotFoundError
 
@@ -189,7 +189,7 @@ def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | Non
     lint = Lint(adapter, base, adapter_kind(adapter), target)
     if lint.kind == "peft":
         if step is not None or alpha is not None:
-            raise ConfigError(f"{adapter}: --alpha/--step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
+            raise ConfigError(f"{adapter}: alpha/step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
         _lint_peft(lint, b)
     else:
         _lint_orbax(lint, b, step, alpha)
@@ -370,7 +370,8 @@ def _lint_peft_modules(lint: Lint, b: Base, cfg: lora.AdapterConfig, f, modules:
             bad_rank.append(f"{name} has rank {rank}, the config says {r_m}")
         lint.max_rank = max(lint.max_rank, rank)
     if half:
-        lint.add("error", "format", f"{weights}: {len(half)} module(s) have only one of lora_A / lora_B (e.g. {half[0]})")
+        lint.add("error", "format",
+                 f"{weights}: {len(half)} module(s) have only one of lora_A / lora_B (e.g. {half[0]})")
     if bad_shape:
         lint.add("error", "shapes", f"{weights}: {len(bad_shape)} module(s) do not fit BASE {b.path} ({bad_shape[0]}): "
                                     "the adapter was made for another base")
@@ -421,7 +422,8 @@ def _peft_live(base: str, peft_dir: str, tokens: np.ndarray) -> dict:
     try:
         model = PeftModel.from_pretrained(model, peft_dir).eval()
     except Exception as e:  # noqa: BLE001 - PEFT's refusal is the finding
-        return {"ok": False, "error": f"transformers+PEFT cannot apply it: {type(e).__name__}: {' '.join(str(e).split())}"}
+        why = " ".join(str(e).split())
+        return {"ok": False, "error": f"transformers+PEFT cannot apply it: {type(e).__name__}: {why}"}
     # modules where PEFT now applies a non-zero LoRA (wrapped modules whose factors did not load keep B = 0)
     applied = {name.rsplit(".lora_B", 1)[0] for name, p in model.named_parameters()
                if ".lora_B." in name and bool(p.detach().abs().sum() > 0)}
@@ -429,29 +431,66 @@ def _peft_live(base: str, peft_dir: str, tokens: np.ndarray) -> dict:
         with_adapter = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
         with model.disable_adapter():
             without = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    change = float(np.linalg.norm(with_adapter.astype(np.float64) - without) / np.linalg.norm(without.astype(np.float64)))
+    change = float(np.linalg.norm(with_adapter.astype(np.float64) - without)
+                   / np.linalg.norm(without.astype(np.float64)))
     return {"rel_change": change, "applied_modules": len(applied), "logits": with_adapter}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterReport(Report):
+    """``verify adapter``: the lint (as :meth:`Lint.to_dict`), then live and exact (None: not run)."""
+
+    OMIT_NONE = ("tokens",)
+
+    adapter: str
+    base: str
+    lint: dict
+    live: dict | None
+    exact: dict | None
+    tokens: int | None
+    ok: bool
+
+    def summary(self) -> str:
+        lint = self.lint
+        lines = [f"verify adapter {self.adapter} ({lint['kind']}, target {lint['target']}) on {self.base}: "
+                 f"{lint['modules']} modules, max rank {lint['max_rank']}"]
+        lines += [f"  lint: {f['severity']}: [{f['check']}] {f['message']}" for f in lint["findings"]]
+        errors = sum(f["severity"] == "error" for f in lint["findings"])
+        lines.append(f"  lint: {'OK' if not errors else 'FAIL'} ({errors} errors, "
+                     f"{sum(f['severity'] == 'warning' for f in lint['findings'])} warnings)")
+        live, exact = self.live, self.exact
+        if live is not None:
+            if "rel_change" in live:
+                lines.append(f"  live: {'OK' if live['ok'] else 'FAIL'}: the adapter changes the logits by "
+                             f"{live['rel_change']:.3e} (relative L2 over {self.tokens} tokens; not live below "
+                             f"{live['tolerance']:g}); {live['applied_modules']} modules carry a non-zero LoRA in PEFT")
+            else:
+                lines.append(f"  live: FAIL: {live.get('error') or live.get('skipped')}")
+        if exact is not None:
+            if "rel_l2" in exact:
+                lines.append(f"  exact: {'OK' if exact['ok'] else 'FAIL'}: transformers+PEFT vs Tunix+qwix relative "
+                             f"L2 {exact['rel_l2']:.3e} (tolerance {exact['tolerance']:g}, float32, via "
+                             f"{exact['via']})")
+            else:
+                lines.append(f"  exact: skipped: {exact['skipped']}")
+        lines.append("-> OK" if self.ok else "-> FAIL")
+        return "\n".join(lines)
 
 
 def verify_adapter(adapter: str, base: str, *, target: str = "hf", ids: list[int] | None = None,
                    prompt: str | None = None, step: int | None = None, alpha: float | None = None,
                    lint_only: bool = False, exact: bool = True, live_tolerance: float = LIVE_TOLERANCE,
-                   tolerance: float = EXACT_TOLERANCE) -> dict:
+                   tolerance: float = EXACT_TOLERANCE) -> AdapterReport:
     """lint, then live and exact (see the module doc). ``ok`` is False when lint found an error,
     the adapter does not move the logits, or the two frameworks disagree above ``tolerance``."""
     lint = lint_adapter(adapter, base, target=target, step=step, alpha=alpha)
-    result: dict = {"adapter": adapter, "base": base, "lint": lint.to_dict(), "live": None, "exact": None}
+    report = functools.partial(AdapterReport, adapter, base, lint.to_dict())
     if lint_only:
-        result["ok"] = not lint.errors
-        return result
+        return report(None, None, None, not lint.errors)
     if not lint.loadable:
         reason = "skipped: the checkpoint does not fit BASE (see lint)"
-        result["live"] = {"ok": False, "skipped": reason}
-        result["exact"] = {"ok": None, "skipped": reason}
-        result["ok"] = False
-        return result
+        return report({"ok": False, "skipped": reason}, {"ok": None, "skipped": reason}, None, False)
     tokens = np.asarray([prompt_ids(base, ids=ids, prompt=prompt)])
-    result["tokens"] = int(tokens.shape[1])
     with tempfile.TemporaryDirectory(prefix="ckptbridge-verify-") as tmp:
         peft_dir = as_peft(adapter, base, tmp, step=step, alpha=alpha)
         live = _peft_live(base, peft_dir, tokens)
@@ -459,12 +498,11 @@ def verify_adapter(adapter: str, base: str, *, target: str = "hf", ids: list[int
         if "rel_change" in live:
             live["ok"] = live["rel_change"] > live_tolerance
         live["tolerance"] = live_tolerance
-        result["live"] = live
-        result["exact"] = _exact(lint, adapter, peft_dir, base, tokens, logits, step, alpha, tmp, tolerance) \
+        checked = _exact(lint, adapter, peft_dir, base, tokens, logits, step, alpha, tmp, tolerance) \
             if exact and logits is not None else {"ok": None, "skipped": "--no-exact" if not exact else
                                                   "transformers+PEFT could not apply the adapter"}
-    result["ok"] = not lint.errors and bool(result["live"]["ok"]) and result["exact"]["ok"] is not False
-    return result
+    return report(live, checked, int(tokens.shape[1]),
+                  not lint.errors and bool(live["ok"]) and checked["ok"] is not False)
 
 
 def _exact(lint: Lint, adapter: str, peft_dir: str, base: str, tokens, peft_logits, step, alpha, tmp: str,

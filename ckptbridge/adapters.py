@@ -7,6 +7,7 @@ accelerator), stream module by module, and write atomically.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -16,19 +17,80 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import deps, hub, lora, model_card, specs, vllm_lora
+from ckptbridge import deps, hub, lora, model_card, options, specs, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.safetensors import PlannedTensor, write_file
-from ckptbridge.lora import Base, LoraModule, Scaling, open_base
+from ckptbridge.lora import LoraModule, Scaling, open_base
 from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_version
+from ckptbridge.options import KV_MODES, TARGETS
 from ckptbridge.progress import Progress
+from ckptbridge.report import Report, human_bytes
 
 log = logging.getLogger(__name__)
-TARGETS = ("hf", "vllm")
-KV_MODES = ("exact", "svd")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftExportReport(Report):
+    """A Tunix/qwix LoRA checkpoint exported as a PEFT adapter."""
+
+    direction: str
+    source: str
+    destination: str
+    family: str
+    key_prefix: str
+    target: str
+    config_mismatch: str | None
+    modules: int
+    tensors: int
+    bytes: int
+    r: int
+    lora_alpha: float | int
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float | int]
+    warnings: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        text = (f"orbax-to-peft ({self.target}): {self.source} -> {self.destination}\n"
+                f"  {self.modules} modules, r={self.r}, lora_alpha={self.lora_alpha}, {human_bytes(self.bytes)} "
+                f"in {self.seconds:.2f} s")
+        return text + "".join(f"\n  warning: {w}" for w in self.warnings)
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxLoraReport(Report):
+    """A PEFT adapter written as a Tunix/qwix LoRA checkpoint."""
+
+    direction: str
+    source: str
+    destination: str
+    step: int
+    family: str
+    config_mismatch: str | None
+    modules: int
+    modes: dict[str, int]
+    rules: list[dict]
+    kv: str
+    svd_relative_error: dict[str, float]
+    vllm_repeats_dropped: int
+    bytes: int
+    seconds: float
+
+    def summary(self) -> str:
+        text = (f"peft-to-orbax: {self.source} -> {self.destination}/{self.step}/model_params\n"
+                f"  {self.modules} modules ({', '.join(f'{v} {k}' for k, v in self.modes.items())}), "
+                f"{human_bytes(self.bytes)} in {self.seconds:.2f} s")
+        for rule in self.rules:
+            text += f"\n  rule: rank {rule['rank']}, alpha {rule['alpha']}: {rule['module_path']}"
+        for module, err in self.svd_relative_error.items():
+            text += f"\n  svd {module}: relative error {err:.3e}"
+        if self.vllm_repeats_dropped:
+            text += f"\n  dropped {self.vllm_repeats_dropped} v_proj copies of k_proj factors (vLLM export)"
+        return text
 
 
 def _step_of(ad: lora.OrbaxLora) -> int | None:
@@ -41,7 +103,7 @@ def _step_of(ad: lora.OrbaxLora) -> int | None:
 
 def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = None, alpha: float | None = None,
                           target: str = "hf", base_id: str | None = None, overwrite: bool = False,
-                          progress: bool | None = None) -> dict:
+                          progress: bool | None = None) -> PeftExportReport:
     """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``
     + a model card ``README.md``).
 
@@ -51,10 +113,8 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     a Hub cache path or the base's config; else the base's local path is recorded).
     """
     t0 = time.perf_counter()
-    if target not in TARGETS:
-        raise ConfigError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
-    if base_id is not None and not model_card.is_repo_id(base_id):
-        raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
+    options.choice("target", target, TARGETS)
+    model_card.check_repo_id("base_id", base_id)
     base = hub.local(base, hub.CONFIG, what="base model")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
@@ -103,22 +163,25 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                 cache.clear()
                 cache["mod"], cache["pairs"] = mod, lora.tunix_to_peft(mod, *ad.factors(mod))
             a, b_ = cache["pairs"][i]
-            if pad_to is not None and (sc.rank < pad_to or sc.scale != fold_scale):
+            if pad_to is not None and fold_scale is not None and (sc.rank < pad_to or sc.scale != fold_scale):
                 dtype = a.dtype
                 a = np.concatenate([a, np.zeros((pad_to - sc.rank, a.shape[1]), dtype)])
                 scaled = b_.astype(np.float32) * np.float32(sc.scale / fold_scale)
                 b_ = np.concatenate([scaled.astype(dtype), np.zeros((b_.shape[0], pad_to - sc.rank), dtype)], axis=1)
             return a, b_
 
+        def factor(mod: LoraModule, i: int, sc: Scaling, which: int) -> np.ndarray:
+            return pair(mod, i, sc)[which]
+
         tensors = []
         for name, mod, i, sc in plan:
             rank = pad_to or sc.rank
             shapes = mod.shapes(rank)
             dtype = ad.dtype(mod)
-            tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_A.weight", dtype, shapes["a_peft"],
-                                         lambda mod=mod, i=i, sc=sc: pair(mod, i, sc)[0]))
-            tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_B.weight", dtype, shapes["b_peft"],
-                                         lambda mod=mod, i=i, sc=sc: pair(mod, i, sc)[1]))
+            tensors.append(PlannedTensor(lora.factor_key(name, "A"), dtype, shapes["a_peft"],
+                                         functools.partial(factor, mod, i, sc, 0)))
+            tensors.append(PlannedTensor(lora.factor_key(name, "B"), dtype, shapes["b_peft"],
+                                         functools.partial(factor, mod, i, sc, 1)))
         names = [name for name, _, _, _ in plan]
         dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
         config = lora.export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
@@ -138,24 +201,11 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
             with open(os.path.join(tmp, model_card.FILENAME), "w") as f:
                 f.write(card)
         bar.close()
-        return {
-            "direction": "orbax-to-peft",
-            "source": ad.path,
-            "destination": dst,
-            "family": b.spec.name,
-            "key_prefix": b.prefix,
-            "target": target,
-            "config_mismatch": mismatch,
-            "modules": len(plan),
-            "tensors": len(tensors),
-            "bytes": total,
-            "r": r,
-            "lora_alpha": lora.plain_number(alpha_default),
-            "rank_pattern": rank_pattern,
-            "alpha_pattern": alpha_pattern,
-            "warnings": warnings,
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
+        return PeftExportReport(
+            direction="orbax-to-peft", source=ad.path, destination=dst, family=b.spec.name, key_prefix=b.prefix,
+            target=target, config_mismatch=mismatch, modules=len(plan), tensors=len(tensors), bytes=total, r=r,
+            lora_alpha=lora.plain_number(alpha_default), rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+            warnings=warnings, seconds=round(time.perf_counter() - t0, 3))
 
 
 @dataclasses.dataclass
@@ -234,15 +284,14 @@ def _module_factors(ad: lora.PeftLora, mod: LoraModule,
 
 
 def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", step: int = 0,
-                          overwrite: bool = False, progress: bool | None = None) -> dict:
+                          overwrite: bool = False, progress: bool | None = None) -> OrbaxLoraReport:
     """PEFT adapter -> Tunix checkpoint root ``DST/<step>/model_params`` with the qwix rules that
     rebuild the matching LoRA model in the step's custom metadata."""
     t0 = time.perf_counter()
     deps.require("orbax")
-    if kv not in KV_MODES:
-        raise ConfigError(f"--kv {kv!r}: choose one of {', '.join(KV_MODES)}")
+    options.choice("kv", kv, KV_MODES)
     if step < 0:
-        raise ConfigError(f"--step {step}: must be >= 0")
+        raise ConfigError(f"step {step}: must be >= 0")
     src, base = hub.local(src, hub.ADAPTER, what="adapter"), hub.local(base, hub.CONFIG, what="base model")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
@@ -264,12 +313,15 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
                     errors["/".join(mod.path)] = cache["value"][2]
             return cache["value"]
 
+        def factor(mod: LoraModule, which: int) -> np.ndarray:
+            return factors(mod)[which]
+
         flat = {}
         for mod, plan in plans.items():
             shapes = mod.shapes(plan.scaling.rank)
             leaf_a, leaf_b = mod.leaves
-            flat[leaf_a + ("value",)] = orbax_io.LazyArray(shapes["a_tunix"], plan.dtype, lambda m=mod: factors(m)[0])
-            flat[leaf_b + ("value",)] = orbax_io.LazyArray(shapes["b_tunix"], plan.dtype, lambda m=mod: factors(m)[1])
+            for which, (path, shape) in enumerate(((leaf_a, shapes["a_tunix"]), (leaf_b, shapes["b_tunix"]))):
+                flat[path + ("value",)] = orbax_io.LazyArray(shape, plan.dtype, functools.partial(factor, mod, which))
         rules = lora.rules_for({m: p.scaling for m, p in plans.items()}, b.modules)
         meta = {KEY: Metadata(
             kind="lora", family=b.spec.name, lora=LoraRules(rules, float(ad.config.lora_dropout or 0.0)),
@@ -283,19 +335,8 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         with atomic_directory(dst, overwrite) as tmp:
             orbax_io.save_manager_step(tmp, step, orbax_io.nest(flat), meta)
         bar.close()
-        return {
-            "direction": "peft-to-orbax",
-            "source": src,
-            "destination": dst,
-            "step": step,
-            "family": b.spec.name,
-            "config_mismatch": mismatch,
-            "modules": len(plans),
-            "modes": dict(Counter(p.mode for p in plans.values())),
-            "rules": rules,
-            "kv": kv,
-            "svd_relative_error": errors,
-            "vllm_repeats_dropped": ad.vllm_repeats,
-            "bytes": total,
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
+        return OrbaxLoraReport(
+            direction="peft-to-orbax", source=src, destination=dst, step=step, family=b.spec.name,
+            config_mismatch=mismatch, modules=len(plans), modes=dict(Counter(p.mode for p in plans.values())),
+            rules=rules, kv=kv, svd_relative_error=errors, vllm_repeats_dropped=ad.vllm_repeats, bytes=total,
+            seconds=round(time.perf_counter() - t0, 3))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError
 

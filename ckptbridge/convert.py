@@ -8,26 +8,29 @@ destination and rename it into place at the end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import numpy as np
 
-from ckptbridge import deps, hub, mapping, specs
+from ckptbridge import deps, hub, mapping, options, specs
 from ckptbridge.errors import ConfigError
-from ckptbridge.io import DEFAULT_CHUNK_SIZE
+from ckptbridge.io import DEFAULT_CHUNK_SIZE, storage
 from ckptbridge.io import orbax as orbax_io
-from ckptbridge.io import storage
 from ckptbridge.io.atomic import atomic_directory, check_destination
-from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, copy_assets, write_model_directory
-from ckptbridge.io.safetensors import PlannedTensor, parse_size
+from ckptbridge.io.hf import copy_assets, write_model_directory
+from ckptbridge.io.safetensors import PlannedTensor
 from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
+from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.progress import Progress
-from ckptbridge.specs.base import tunix_version_key
+from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
+from ckptbridge.specs.base import tunix_version_key
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -41,11 +44,52 @@ def _metadata(source: HFSource, kind: str, assets: list[str], tunix_version: str
     ).to_json()}
 
 
-def _chunk_bytes(chunk_size: str | int) -> int:
-    try:
-        return parse_size(chunk_size)
-    except ValueError as e:
-        raise ConfigError(f"--chunk-size: {e}") from None
+
+@dataclasses.dataclass(frozen=True)
+class ConversionReport(Report):
+    """A weights conversion: where from and to, what it held, how long it took."""
+
+    direction: str
+    source: str
+    destination: str
+    family: str
+    key_prefix: str
+    layer_kinds: dict[str, int]
+    tensors: int
+    bytes: int
+
+    def _head(self, seconds: float) -> str:
+        kinds = ", ".join(f"{v} {k}" for k, v in self.layer_kinds.items())
+        return (f"{self.direction}: {self.source} -> {self.destination}\n"
+                f"  {self.family}, key prefix {self.key_prefix}, layers: {kinds}\n"
+                f"  {self.tensors} tensors, {human_bytes(self.bytes)} in {seconds:.2f} s")
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetensorsToOrbaxReport(ConversionReport):
+    towers_dropped: int
+    tunix_version: str | None
+    chunk_bytes: int
+    compression: bool
+    orbax_writer: str
+    config_mismatch: str | None
+    seconds: float
+
+    def summary(self) -> str:
+        text = self._head(self.seconds)
+        if self.towers_dropped:
+            text += f"\n  dropped {self.towers_dropped} vision/audio tensors (--skip-multimodal)"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxToSafetensorsReport(ConversionReport):
+    files: list[str]
+    config_mismatch: str | None
+    seconds: float
+
+    def summary(self) -> str:
+        return self._head(self.seconds) + f"\n  files: {', '.join(self.files)}"
 
 
 def _per_block(blocks: mapping.Blocks, nbytes: int, chunk_bytes: int) -> int:
@@ -68,7 +112,7 @@ def _leaf(source: HFSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.Lazy
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
                                  skip_multimodal: bool = False, tunix_version: str | None = None,
                                  chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
-                                 progress: bool | None = None) -> dict:
+                                 progress: bool | None = None) -> SafetensorsToOrbaxReport:
     """HF model directory -> Orbax checkpoint of the Tunix nnx state (nested dict, source dtypes).
 
     The tree has the layouts of Tunix ``tunix_version`` (default: the installed google-tunix;
@@ -81,7 +125,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     """
     t0 = time.perf_counter()
     deps.require("orbax")
-    chunk_bytes = _chunk_bytes(chunk_size)
+    chunk_bytes = options.size("chunk_size", chunk_size)
     if tunix_version is not None:
         try:
             tunix_version_key(tunix_version)
@@ -105,23 +149,12 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             if assets:
                 copy_assets(assets, source.model.path, storage.join(tmp, ASSETS_DIR))
         bar.close()
-        return {
-            "direction": "safetensors-to-orbax",
-            "source": src,
-            "destination": dst,
-            "family": source.spec.name,
-            "key_prefix": source.prefix,
-            "layer_kinds": source.cfg.layer_kinds(),
-            "tensors": len(flat),
-            "bytes": total,
-            "towers_dropped": len(source.tower_keys),
-            "tunix_version": target,
-            "chunk_bytes": chunk_bytes,
-            "compression": compression,
-            "orbax_writer": writer,
-            "config_mismatch": mismatch,
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
+        return SafetensorsToOrbaxReport(
+            direction="safetensors-to-orbax", source=src, destination=dst, family=source.spec.name,
+            key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=len(flat), bytes=total,
+            towers_dropped=len(source.tower_keys), tunix_version=target, chunk_bytes=chunk_bytes,
+            compression=compression, orbax_writer=writer, config_mismatch=mismatch,
+            seconds=round(time.perf_counter() - t0, 3))
 
 
 def _converted_ahead(pool: ThreadPoolExecutor, blocks: mapping.Blocks, boxes) -> Iterator[np.ndarray]:
@@ -150,7 +183,7 @@ def _hf_tensors(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int,
     dtype = source.dtype(e)
     blocks = mapping.blocks(e) if source.nbytes(e) > chunk_bytes else None
     ranges = source.block_ranges(blocks, chunk_bytes) if blocks is not None else None
-    if ranges is None or len(ranges) < 2:
+    if blocks is None or ranges is None or len(ranges) < 2:
         cache: dict = {}
 
         def whole(i: int) -> np.ndarray:
@@ -161,9 +194,12 @@ def _hf_tensors(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int,
                 cache.clear()
             return out
 
-        return [PlannedTensor(key, dtype, e.hf_shape, lambda i=i: whole(i)) for i, key in enumerate(e.hf_keys)]
-    if not blocks.keyed:  # one HF tensor, written as its row blocks come
-        rows = lambda: _converted_ahead(pool, blocks, source.tunix_blocks(blocks, ranges))  # noqa: E731
+        return [PlannedTensor(key, dtype, e.hf_shape, functools.partial(whole, i)) for i, key in enumerate(e.hf_keys)]
+    found: mapping.Blocks = blocks
+    if not found.keyed:  # one HF tensor, written as its row blocks come
+        def rows() -> Iterator[np.ndarray]:
+            return _converted_ahead(pool, found, source.tunix_blocks(found, ranges))
+
         return [PlannedTensor(e.hf_keys[0], dtype, e.hf_shape, chunks=rows)]
     # one HF tensor per index: each from the block that holds it, blocks read in order
     state: dict = {"it": None, "block": None}
@@ -172,36 +208,33 @@ def _hf_tensors(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int,
         block = state["block"]
         if block is None or not block[0] <= n < block[1]:
             if state["it"] is None:
-                state["it"] = source.tunix_blocks(blocks, ranges)
+                state["it"] = source.tunix_blocks(found, ranges)
             state["block"] = None
             i, j, box = next(state["it"])
             if not i <= n < j:
                 raise RuntimeError(f"{e.tunix_name}: index {n} requested out of order")
-            block = state["block"] = (i, j, blocks.to_hf(box, i, j))
+            block = state["block"] = (i, j, found.to_hf(box, i, j))
             del box
         out = block[2][n - block[0]]
         if n + 1 == block[1]:
             state["block"] = None
         return out
 
-    return [PlannedTensor(key, dtype, e.hf_shape, lambda n=n: key_tensor(n)) for n, key in enumerate(e.hf_keys)]
+    return [PlannedTensor(key, dtype, e.hf_shape, functools.partial(key_tensor, n)) for n, key in enumerate(e.hf_keys)]
 
 
 def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = None,
                                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                                  step: int | None = None, overwrite: bool = False,
                                  chunk_size: str | int = DEFAULT_CHUNK_SIZE,
-                                 progress: bool | None = None) -> dict:
+                                 progress: bool | None = None) -> OrbaxToSafetensorsReport:
     """Orbax weights checkpoint -> HF model directory (sharded safetensors + index, config.json,
     and the non-weight files stored with the checkpoint or next to ``config``). A leaf larger
     than ``chunk_size`` is read, rearranged and written in boxes of about that size (whole
     stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor)."""
     t0 = time.perf_counter()
-    chunk_bytes = _chunk_bytes(chunk_size)
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError as e:
-        raise ConfigError(f"--max-shard-size: {e}") from None
+    chunk_bytes = options.size("chunk_size", chunk_size)
+    shard_bytes = options.size("max_shard_size", max_shard_size)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source, contextlib.ExitStack() as stack:
         mismatch = specs.note_mismatch(source.cfg)
@@ -214,16 +247,8 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             assets_from=stored_assets if storage.isdir(stored_assets) else source.config_dir,
             overwrite=overwrite, desc="orbax -> safetensors", progress=progress,
         )
-        return {
-            "direction": "orbax-to-safetensors",
-            "source": src,
-            "destination": dst,
-            "family": source.spec.name,
-            "key_prefix": source.prefix,
-            "layer_kinds": source.cfg.layer_kinds(),
-            "tensors": len(planned),
-            "bytes": sum(t.nbytes for t in planned),
-            "files": files,
-            "config_mismatch": mismatch,
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
+        return OrbaxToSafetensorsReport(
+            direction="orbax-to-safetensors", source=src, destination=dst, family=source.spec.name,
+            key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=len(planned),
+            bytes=sum(t.nbytes for t in planned), files=files, config_mismatch=mismatch,
+            seconds=round(time.perf_counter() - t0, 3))

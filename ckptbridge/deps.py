@@ -19,15 +19,17 @@ version the project tests (README, "Supported versions").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from ckptbridge.errors import ConfigError
+from ckptbridge.report import Report
 
 DIST = "ckptbridge"
 EXTRAS = ("orbax", "gcs", "hub", "verify", "train", "serve")
@@ -305,8 +307,9 @@ def import_failure(error: BaseException, extra: str | None = None) -> str | None
             if frame.f_code.co_name == "<module>" and dist not in chain:
                 chain.append(dist)
         tb = tb.tb_next
-    if isinstance(error, ModuleNotFoundError) and _dist_of_module(error.name) and not chain:
-        dist = _dist_of_module(error.name)
+    missing = _dist_of_module(error.name) if isinstance(error, ModuleNotFoundError) else None
+    if missing and not chain:
+        dist = missing
         return f"{dist} is not installed here; {_pip_extra(extra or _extra_of(dist))}"
     if not chain:
         return None
@@ -420,7 +423,8 @@ def _accelerators() -> dict:
             out["jax"] = {"backend": jax.default_backend(), "devices": len(devices),
                           "kinds": sorted({d.device_kind for d in devices})}
         except Exception as e:
-            out["jax"] = {"error": import_failure(e, "orbax") or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+            why = " ".join(str(e).split())[:200]
+            out["jax"] = {"error": import_failure(e, "orbax") or f"{type(e).__name__}: {why}"}
     else:
         out["jax"] = None
     if installed("torch"):
@@ -432,13 +436,88 @@ def _accelerators() -> dict:
                             "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
                             else [], "cuda_version": torch.version.cuda}
         except Exception as e:
-            out["torch"] = {"error": import_failure(e, "verify") or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+            why = " ".join(str(e).split())[:200]
+            out["torch"] = {"error": import_failure(e, "verify") or f"{type(e).__name__}: {why}"}
     else:
         out["torch"] = None
     return out
 
 
-def environment(verbs: dict[str, str | None] | None = None, accelerators: bool = True) -> dict:
+@dataclasses.dataclass(frozen=True)
+class EnvReport(Report):
+    """``ckptbridge env``: this environment, the versions against the supported ranges, the extras
+    and verbs that work here."""
+
+    OMIT_NONE = ("verbs", "accelerators")
+
+    ckptbridge: str
+    python: dict
+    platform: dict
+    cpus: dict
+    memory: dict
+    transparent_hugepages: dict
+    packages: dict
+    extras: dict
+    verbs: dict | None
+    accelerators: dict | None
+    environment_variables: dict
+
+    def summary(self) -> str:
+        r = self.to_json()
+        mem = self.memory
+        gib = lambda n: f"{n / (1 << 30):.1f} GiB" if n else "unknown"  # noqa: E731
+        cpus = r["cpus"]
+        lines = [
+            f"ckptbridge {r['ckptbridge']}",
+            f"python     {r['python']['version']} ({r['python']['implementation']}) {r['python']['executable']}",
+            f"platform   {r['platform']['system']} {r['platform']['machine']}"
+            + (f", {r['platform']['libc']}" if r["platform"]["libc"] else ""),
+            f"cpus       {cpus['count']}, usable {cpus['usable']} (affinity {cpus['affinity']})",
+            f"memory     {gib(mem['total'])} total, {gib(mem['available'])} available"
+            + (f", cgroup limit {gib(mem['cgroup_limit'])}" if mem["cgroup_limit"] else ""),
+            f"huge pages enabled: {r['transparent_hugepages']['enabled']}; "
+            f"defrag: {r['transparent_hugepages']['defrag']}",
+            "",
+            "packages (installed / supported):",
+        ]
+        width = max(len(n) for n in r["packages"])
+        found = {name: (p["version"] or "not installed") + (f" [{p['distribution']}]" if p.get("distribution") else "")
+                 for name, p in r["packages"].items()}
+        vwidth = max(len(v) for v in found.values())
+        for name, p in r["packages"].items():
+            by_range: dict[str, list[str]] = {}
+            for extra, spec in p["required"].items():
+                by_range.setdefault(spec, []).append(extra)
+            ranges = "; ".join(f"{spec} ({', '.join(extras)})" for spec, extras in by_range.items()) \
+                or "(brought by the above)"
+            lines.append(f"  {name:<{width}}  {found[name]:<{vwidth}}  {ranges}")
+        lines += ["", "extras:"]
+        for extra, e in r["extras"].items():
+            lines.append(f"  {extra:<7} {'usable' if e['usable'] else 'NOT usable'}: {e['for']}")
+            lines += [f"          {why}" for why in e.get("problems", [])[:3]]
+        lines += ["", "verbs:"]
+        width = max(len(v) for v in r.get("verbs", {"": 0}))
+        for verb, v in r.get("verbs", {}).items():
+            needs = "works" if v["works"] else "needs " + repr("ckptbridge[" + v["extra"] + "]")
+            lines.append(f"  {verb:<{width}}  {needs}")
+        if "accelerators" in r:
+            lines += ["", "accelerators:"]
+            for lib, a in r["accelerators"].items():
+                if a is None:
+                    lines.append(f"  {lib}: not installed")
+                elif "error" in a:
+                    lines.append(f"  {lib}: {a['error']}")
+                elif lib == "jax":
+                    lines.append(f"  jax: {a['backend']}, {a['devices']} device(s) {', '.join(a['kinds'])}")
+                else:
+                    cuda = f"CUDA {a['cuda_version']}, {a['devices']} device(s) {', '.join(a['names'])}"
+                    lines.append(f"  torch: {cuda if a['cuda'] else 'CPU only'}")
+        if r["environment_variables"]:
+            lines += ["", "environment: " + " ".join(f"{k}={v}" for k, v in r["environment_variables"].items())]
+        return "\n".join(lines)
+
+
+def environment(verbs: dict[str, str | None] | None = None, accelerators: bool = True) -> EnvReport:
     """Everything a bug report needs: Python, platform, CPUs, memory, transparent huge pages,
     the version of every package ckptbridge uses (None: not installed) against its supported
     range, which extras are usable (or why not), which ``verbs`` (name -> extra) work, and the
@@ -451,7 +530,7 @@ def environment(verbs: dict[str, str | None] | None = None, accelerators: bool =
         affinity = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         affinity = []
-    packages = {}
+    packages: dict[str, dict] = {}
     for extra, reqs in declared().items():
         for r in reqs:
             entry = packages.setdefault(r.name, {"version": installed_version(r.name), "required": {}})
@@ -467,7 +546,7 @@ def environment(verbs: dict[str, str | None] | None = None, accelerators: bool =
         extras[extra or "core"] = {"usable": not why, "for": PURPOSE[extra], **({"problems": why} if why else {})}
     mem = _meminfo()
     thp = _read("/sys/kernel/mm/transparent_hugepage/enabled")
-    out = {
+    out: dict = {
         "ckptbridge": __version__,
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},
@@ -480,12 +559,10 @@ def environment(verbs: dict[str, str | None] | None = None, accelerators: bool =
         "packages": dict(sorted(packages.items(), key=lambda kv: kv[0].lower())),
         "extras": extras,
     }
-    if verbs is not None:
-        out["verbs"] = {verb: {"extra": extra or "core", "works": extras[extra or "core"]["usable"]}
-                        for verb, extra in verbs.items()}
-    if accelerators:
-        out["accelerators"] = _accelerators()
+    out["verbs"] = None if verbs is None else {
+        verb: {"extra": extra or "core", "works": extras[extra or "core"]["usable"]} for verb, extra in verbs.items()}
+    out["accelerators"] = _accelerators() if accelerators else None
     env_vars = {k: os.environ[k] for k in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "CKPTBRIDGE_ORBAX_WRITER",
                                           "CKPTBRIDGE_NO_HUGE_PAGES", "HF_HUB_OFFLINE", "HF_HOME") if k in os.environ}
     out["environment_variables"] = env_vars
-    return out
+    return EnvReport(**out)

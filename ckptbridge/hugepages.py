@@ -23,7 +23,7 @@ THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 def _glibc_version() -> tuple[int, ...] | None:
     try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        name, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").split()
         return tuple(int(x) for x in version.split(".")[:2]) if name == "glibc" else None
     except (AttributeError, ValueError, OSError):  # not glibc, or no confstr
         return None

@@ -2,23 +2,125 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import Counter
+from typing import Any
 
 import numpy as np
 
-from ckptbridge.errors import CorruptFileError, InputNotFoundError
+from ckptbridge.errors import InputNotFoundError
 from ckptbridge.qwix_lora import is_lora_a, is_lora_leaf
+from ckptbridge.report import Report
 from ckptbridge.sources import is_hf_directory
 from ckptbridge.specs import get_family, parse_config
+
+SUMMARY_ORDER = ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
+                 "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
+                 "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
+                 "lora_ranks", "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid",
+                 "problem")
+
+
+class Info(Report):
+    """What ``inspect`` says of a path; ``summary()`` is one line per field that holds something."""
+
+    def summary(self) -> str:
+        info = self.to_json()
+        lines = [f"{info['path']}: {info['kind']}"]
+        for key in SUMMARY_ORDER:
+            value = info.get(key)
+            if value in (None, [], {}):
+                continue
+            if key in ("parameters", "bytes"):
+                value = f"{value:,}"
+            elif isinstance(value, dict):
+                value = ", ".join(f"{k}: {v}" for k, v in value.items())
+            elif isinstance(value, list):
+                value = ", ".join(map(str, value))
+            lines.append(f"  {key:<24} {value}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelInfo(Info):
+    OMIT_NONE = ("key_prefix", "problem")
+
+    kind: str
+    path: str
+    family: str
+    model_type: str
+    config_dialect: str | None
+    layers: int
+    layer_kinds: dict[str, int]
+    dtypes: dict[str, int]
+    parameters: int
+    bytes: int
+    files: list[str]
+    towers: list[str]
+    tunix_mismatch: list[str]  # what the family's Tunix model computes otherwise
+    key_prefix: str | None
+    valid: bool
+    problem: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxInfo(Info):
+    OMIT_NONE = ("family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks")
+
+    kind: str
+    path: str
+    leaves: int
+    dtypes: dict[str, int]
+    parameters: int
+    bytes: int
+    metadata: dict
+    family: str | None = None
+    layers: int | None = None
+    layer_kinds: dict[str, int] | None = None
+    tunix_mismatch: list[str] | None = None
+    lora_ranks: dict[str, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftInfo(Info):
+    OMIT_NONE = ("rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "modules_to_save", "ckptbridge", "tensors",
+                 "parameters", "dtypes")
+
+    kind: str
+    path: str
+    peft_type: str | None
+    r: Any
+    lora_alpha: Any
+    target_modules: str | list[str] | None
+    base_model_name_or_path: str | None
+    rank_pattern: dict | None = None
+    alpha_pattern: dict | None = None
+    use_rslora: bool | None = None
+    use_dora: bool | None = None
+    modules_to_save: list[str] | None = None
+    ckptbridge: Any = None
+    tensors: int | None = None
+    parameters: int | None = None
+    dtypes: dict[str, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetensorsInfo(Info):
+    kind: str
+    path: str
+    tensors: int
+    parameters: int
+    dtypes: dict[str, int]
+    metadata: dict | None
 
 
 def _count(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _inspect_hf(path: str) -> dict:
+def _inspect_hf(path: str) -> HFModelInfo:
     from ckptbridge.io.hf import HFModelDir
     from ckptbridge.sources import open_hf_source
 
@@ -28,97 +130,65 @@ def _inspect_hf(path: str) -> dict:
         params = sum(_count(model.info(k).shape) for k in model.keys())
         nbytes = sum(model.info(k).nbytes for k in model.keys())
         files = sorted(model.files)
-    out = {
-        "kind": "hf-model",
-        "path": path,
-        "family": cfg.family,
-        "model_type": cfg.model_type,
-        "config_dialect": cfg.extras.get("dialect"),
-        "layers": cfg.num_layers,
-        "layer_kinds": cfg.layer_kinds(),
-        "dtypes": dict(dtypes),
-        "parameters": params,
-        "bytes": nbytes,
-        "files": files,
-        "towers": list(cfg.towers),
-        "tunix_mismatch": get_family(cfg.family).config_mismatches(cfg),  # what the family's Tunix model computes otherwise
-    }
+    prefix = problem = None
     try:
         with open_hf_source(path, skip_multimodal=True) as source:
-            out["key_prefix"] = source.prefix
-            out["valid"] = True
+            prefix = source.prefix
     except Exception as e:  # report, do not fail: inspect is for looking at broken things too
-        out["valid"] = False
-        out["problem"] = str(e)
-    return out
+        problem = str(e)
+    return HFModelInfo(kind="hf-model", path=path, family=cfg.family, model_type=cfg.model_type,
+                       config_dialect=cfg.extras.get("dialect"), layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
+                       dtypes=dict(dtypes), parameters=params, bytes=nbytes, files=files, towers=list(cfg.towers),
+                       tunix_mismatch=get_family(cfg.family).config_mismatches(cfg), key_prefix=prefix,
+                       valid=problem is None, problem=problem)
 
 
-def _inspect_orbax(path: str, step: int | None) -> dict:
+def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:
     from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 
     item = resolve_checkpoint(path, step)
     with OrbaxCheckpoint(item) as ckpt:
         leaves = ckpt.leaves
         meta = ckpt.ckptbridge_metadata
-        lora = any(is_lora_leaf(p) for p in leaves)
-        out = {
-            "kind": "orbax-lora" if lora else "orbax-weights",
-            "path": item,
-            "leaves": len(leaves),
-            "dtypes": dict(Counter(str(d) for _, d in leaves.values())),
-            "parameters": sum(_count(s) for s, _ in leaves.values()),
-            "bytes": sum(_count(s) * d.itemsize for s, d in leaves.values()),
-            "metadata": {k: v for k, v in meta.items() if k != "hf_config"},
-        }
-        if isinstance(meta.get("hf_config"), dict):
-            cfg = parse_config(meta["hf_config"], f"{item} (metadata)")
-            out.update(family=cfg.family, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
-                       tunix_mismatch=get_family(cfg.family).config_mismatches(cfg))
-        if lora:
-            ranks = Counter()
-            for p, (shape, _) in leaves.items():
-                if is_lora_a(p):
-                    ranks[int(shape[-1])] += 1
-            out["lora_ranks"] = {str(r): n for r, n in ranks.items()}
-        return out
+    lora = any(is_lora_leaf(p) for p in leaves)
+    described: dict[str, Any] = {}
+    if isinstance(meta.get("hf_config"), dict):
+        cfg = parse_config(meta["hf_config"], f"{item} (metadata)")
+        described = dict(family=cfg.family, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
+                         tunix_mismatch=get_family(cfg.family).config_mismatches(cfg))
+    ranks: Counter = Counter(int(shape[-1]) for p, (shape, _) in leaves.items() if is_lora_a(p))
+    return OrbaxInfo(kind="orbax-lora" if lora else "orbax-weights", path=item, leaves=len(leaves),
+                     dtypes=dict(Counter(str(d) for _, d in leaves.values())),
+                     parameters=sum(_count(s) for s, _ in leaves.values()),
+                     bytes=sum(_count(s) * d.itemsize for s, d in leaves.values()),
+                     metadata={k: v for k, v in meta.items() if k != "hf_config"}, **described,
+                     lora_ranks={str(r): n for r, n in ranks.items()} if lora else None)
 
 
-def _inspect_peft(path: str) -> dict:
+def _inspect_peft(path: str) -> PeftInfo:
     from ckptbridge.io.safetensors import SafetensorsFile
+    from ckptbridge.lora.peft import ADAPTER_WEIGHTS, AdapterConfig
 
-    cfg_path = os.path.join(path, "adapter_config.json")
-    try:
-        with open(cfg_path, "rb") as f:
-            cfg = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CorruptFileError(f"{cfg_path}: not valid JSON") from None
-    out = {
-        "kind": "peft-adapter",
-        "path": path,
-        "peft_type": cfg.get("peft_type"),
-        "r": cfg.get("r"),
-        "lora_alpha": cfg.get("lora_alpha"),
-        "target_modules": cfg.get("target_modules"),
-        "base_model_name_or_path": cfg.get("base_model_name_or_path"),
-    }
-    for key in ("rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "modules_to_save"):
-        if cfg.get(key):
-            out[key] = cfg[key]
-    weights = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(weights):
-        with SafetensorsFile(weights) as f:
+    cfg = AdapterConfig.read(path)
+    weights: dict[str, Any] = {}
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS)
+    if os.path.isfile(weights_path):
+        with SafetensorsFile(weights_path) as f:
             if "ckptbridge" in f.metadata:
                 try:
-                    out["ckptbridge"] = json.loads(f.metadata["ckptbridge"])
+                    weights["ckptbridge"] = json.loads(f.metadata["ckptbridge"])
                 except json.JSONDecodeError:
-                    out["ckptbridge"] = f.metadata["ckptbridge"]
-            out["tensors"] = len(f.keys())
-            out["parameters"] = sum(_count(f.info(k).shape) for k in f.keys())
-            out["dtypes"] = dict(Counter(f.info(k).dtype for k in f.keys()))
-    return out
+                    weights["ckptbridge"] = f.metadata["ckptbridge"]
+            weights.update(tensors=len(f.keys()), parameters=sum(_count(f.info(k).shape) for k in f.keys()),
+                           dtypes=dict(Counter(f.info(k).dtype for k in f.keys())))
+    return PeftInfo(kind="peft-adapter", path=path, peft_type=cfg.peft_type, r=cfg.r, lora_alpha=cfg.lora_alpha,
+                    target_modules=cfg.target_modules, base_model_name_or_path=cfg.base_model_name_or_path,
+                    rank_pattern=cfg.rank_pattern or None, alpha_pattern=cfg.alpha_pattern or None,
+                    use_rslora=cfg.use_rslora or None, use_dora=cfg.use_dora or None,
+                    modules_to_save=cfg.modules_to_save or None, **weights)
 
 
-def inspect_path(path: str, step: int | None = None) -> dict:
+def inspect_path(path: str, step: int | None = None) -> Info:
     """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and summarise it; an
     Orbax checkpoint may be on Cloud Storage (``gs://``)."""
     from ckptbridge.io import storage
@@ -131,14 +201,9 @@ def inspect_path(path: str, step: int | None = None) -> dict:
         from ckptbridge.io.safetensors import SafetensorsFile
 
         with SafetensorsFile(path) as f:
-            return {
-                "kind": "safetensors-file",
-                "path": path,
-                "tensors": len(f.keys()),
-                "parameters": sum(_count(f.info(k).shape) for k in f.keys()),
-                "dtypes": dict(Counter(f.info(k).dtype for k in f.keys())),
-                "metadata": f.metadata,
-            }
+            return SafetensorsInfo(kind="safetensors-file", path=path, tensors=len(f.keys()),
+                                   parameters=sum(_count(f.info(k).shape) for k in f.keys()),
+                                   dtypes=dict(Counter(f.info(k).dtype for k in f.keys())), metadata=f.metadata)
     if not os.path.isdir(path):
         raise InputNotFoundError(f"{path}: not a directory or a .safetensors file")
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
@@ -146,23 +211,3 @@ def inspect_path(path: str, step: int | None = None) -> dict:
     if is_hf_directory(path):
         return _inspect_hf(path)
     return _inspect_orbax(path, step)
-
-
-def format_report(info: dict) -> str:
-    """Human-readable lines for an inspect result."""
-    lines = [f"{info['path']}: {info['kind']}"]
-    for key in ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
-                "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
-                "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
-                "lora_ranks", "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid",
-                "problem"):
-        if key in info and info[key] not in (None, [], {}):
-            value = info[key]
-            if key in ("parameters", "bytes"):
-                value = f"{value:,}"
-            elif isinstance(value, dict):
-                value = ", ".join(f"{k}: {v}" for k, v in value.items())
-            elif isinstance(value, list):
-                value = ", ".join(map(str, value))
-            lines.append(f"  {key:<24} {value}")
-    return "\n".join(lines)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -22,7 +22,7 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse(layout: str) -> tuple[tuple[str, ...], ...]:
     """``"(k h) d"`` -> ``(("k", "h"), ("d",))``: one tuple of axis names per tensor dimension."""
     groups: list[tuple[str, ...]] = []

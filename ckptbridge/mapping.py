@@ -7,7 +7,7 @@ and :func:`tunix_to_hf` are the two directions of one entry, both derived from i
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -123,6 +123,8 @@ def stack_to_tunix(entry: Entry, arrays: Iterable[np.ndarray]) -> np.ndarray:
             out = np.empty(entry.tunix_shape, y.dtype)
         out[i] = y
         del x, y
+    if out is None:
+        raise ValueError(f"{entry.tunix_name}: no HF tensors to stack")
     return out
 
 

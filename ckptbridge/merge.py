@@ -9,6 +9,8 @@ whatever the model size.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import time
@@ -17,11 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ckptbridge import hub, lora, model_card
-from ckptbridge.errors import ConfigError, MismatchError
+from ckptbridge import hub, lora, model_card, options
+from ckptbridge.errors import MismatchError
 from ckptbridge.io.atomic import check_destination
-from ckptbridge.io.hf import DEFAULT_MAX_SHARD_SIZE, HFModelDir, write_model_directory
-from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype, parse_size
+from ckptbridge.io.hf import HFModelDir, write_model_directory
+from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype
+from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
+from ckptbridge.report import Report, human_bytes
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of one block of merged rows
 WORKERS = 2  # threads merging blocks (numpy and BLAS release the GIL), ahead of the writer
@@ -51,7 +55,7 @@ class _Merger:
         self.submitted = self.consumed = 0
         self.ahead = 0  # output bytes submitted and not yet consumed
         self.futures: dict[int, Future] = {}
-        self.factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.factors: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
 
     def top_up(self) -> None:
         while self.submitted < len(self.jobs) and (self.submitted <= self.consumed or self.ahead < AHEAD_BYTES):
@@ -100,20 +104,38 @@ class _Merger:
             fut.cancel()
 
 
+
+@dataclasses.dataclass(frozen=True)
+class MergeReport(Report):
+    """An adapter merged into its base."""
+
+    direction: str
+    base: str
+    adapter: str
+    destination: str
+    family: str
+    merged_tensors: int
+    copied_tensors: int
+    bytes: int
+    files: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"merge: {self.base} + {self.adapter} -> {self.destination}\n"
+                f"  {self.merged_tensors} tensors merged, {self.copied_tensors} copied, "
+                f"{human_bytes(self.bytes)} in {self.seconds:.2f} s\n  files: {', '.join(self.files)}")
+
+
 def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, alpha: float | None = None,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base_id: str | None = None,
-               overwrite: bool = False, progress: bool | None = None) -> dict:
+               overwrite: bool = False, progress: bool | None = None) -> MergeReport:
     """Merge ``adapter`` (a PEFT directory or a Tunix/qwix Orbax LoRA checkpoint) into the HF
     model ``base`` and write the merged model to ``dst`` (sharded safetensors + index,
     config.json, the base's non-weight files, and a model card naming the base, its Hub id
     ``base_id`` or the one found from its path or config). Returns a report."""
     t0 = time.perf_counter()
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError as e:
-        raise ConfigError(f"--max-shard-size: {e}") from None
-    if base_id is not None and not model_card.is_repo_id(base_id):
-        raise ConfigError(f"--base-id {base_id!r}: not a Hub model id (ORG/NAME)")
+    shard_bytes = options.size("max_shard_size", max_shard_size)
+    model_card.check_repo_id("base_id", base_id)
     base, adapter = hub.local(base, hub.MODEL, what="base model"), hub.local(adapter, hub.ADAPTER, what="adapter")
     check_destination(dst, [base, adapter], overwrite)
     b = lora.open_base(base)
@@ -131,7 +153,7 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
             info = model.info(key)
             chunks = merger.merged_rows if key in deltas else merger.copied
             planned.append(PlannedTensor(key, numpy_dtype(info.dtype), info.shape,
-                                         chunks=lambda key=key, chunks=chunks: chunks(key)))
+                                         chunks=functools.partial(chunks, key)))
         card = model_card.merged_card(base_id=model_card.hub_id(base, base_id), base_path=base, adapter=adapter,
                                       adapter_id=model_card.hub_id(adapter) if os.path.isdir(adapter) else None,
                                       step=step, family=b.spec.name, merged_tensors=len(deltas))
@@ -140,15 +162,7 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
                                           card=card, overwrite=overwrite, desc="merge", progress=progress)
         finally:
             merger.cancel()
-        return {
-            "direction": "merge",
-            "base": base,
-            "adapter": adapter,
-            "destination": dst,
-            "family": b.spec.name,
-            "merged_tensors": len(deltas),
-            "copied_tensors": len(planned) - len(deltas),
-            "bytes": sum(t.nbytes for t in planned),
-            "files": files,
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
+        return MergeReport(
+            direction="merge", base=base, adapter=adapter, destination=dst, family=b.spec.name,
+            merged_tensors=len(deltas), copied_tensors=len(planned) - len(deltas),
+            bytes=sum(t.nbytes for t in planned), files=files, seconds=round(time.perf_counter() - t0, 3))

@@ -76,7 +76,7 @@ class Metadata:
         return json.loads(json.dumps(out))
 
     @classmethod
-    def from_json(cls, obj: Any) -> "Metadata":
+    def from_json(cls, obj: Any) -> Metadata:
         """Read a stored record; anything not a JSON object reads as an empty record."""
         if isinstance(obj, str):
             try:

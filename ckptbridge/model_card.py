@@ -25,6 +25,14 @@ def is_repo_id(value: str) -> bool:
     return bool(_REPO_ID.match(value)) and not value.endswith((".", "-")) and ".." not in value
 
 
+def check_repo_id(name: str, value: str | None) -> None:
+    """A ConfigError naming the parameter ``name`` when ``value`` is given and not a Hub model id."""
+    if value is not None and not is_repo_id(value):
+        from ckptbridge.errors import ConfigError
+
+        raise ConfigError(f"{name} {value!r}: not a Hub model id (ORG/NAME)")
+
+
 def hub_id(path: str, explicit: str | None = None) -> str | None:
     """The Hub id of the model or adapter at ``path``: ``explicit`` when given, else the repository
     of a Hub cache snapshot folder, else the config's ``_name_or_path`` when that is a Hub id (not a

@@ -62,7 +62,8 @@ def _set_remat_off(model) -> dict:
     for path, module in model.iter_modules():
         config = getattr(module, "config", None)
         remat = getattr(config, "remat_config", None)
-        if dataclasses.is_dataclass(config) and remat is not None and getattr(remat, "name", "NONE") != "NONE":
+        if dataclasses.is_dataclass(config) and not isinstance(config, type) and remat is not None \
+                and getattr(remat, "name", "NONE") != "NONE":
             originals[path] = config
             module.config = dataclasses.replace(config, remat_config=type(remat).NONE)
     return originals

@@ -11,18 +11,17 @@ family's prefixes is read; the one found is recorded and written back).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from ckptbridge import mapping
 from ckptbridge.config import ModelConfig, read_config_file
-from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
-from ckptbridge.io.hf import INDEX_NAME, HFModelDir
+from ckptbridge.io.hf import HFModelDir
 from ckptbridge.io.safetensors import numpy_dtype
 from ckptbridge.metadata import Metadata
 from ckptbridge.qwix_lora import is_lora_leaf
@@ -97,7 +96,7 @@ class HFSource:
     def close(self) -> None:
         self.model.close()
 
-    def __enter__(self) -> "HFSource":
+    def __enter__(self) -> HFSource:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -119,7 +118,7 @@ def find_prefix(spec: FamilySpec, keys) -> str | None:
     model_keys = [s for r in spec.rules if r.scope == "model" and not r.absolute for s in r.hf]
     counts = {p: sum(1 for k in keys if k.startswith(p + "layers.") or k[len(p):] in model_keys and k.startswith(p))
               for p in spec.key_prefixes}
-    best = max(counts, key=counts.get)
+    best = max(counts, key=lambda p: counts[p])
     return best if counts[best] else None
 
 
@@ -255,7 +254,7 @@ class OrbaxSource:
         self._pending = None
         self.ckpt.close()
 
-    def __enter__(self) -> "OrbaxSource":
+    def __enter__(self) -> OrbaxSource:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -180,9 +180,8 @@ def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: in
     import numpy as np
     from flax import nnx
 
-    from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
-
     from ckptbridge.lora import open_base
+    from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
 
     rules = rules or [{"module_path": lora_targets(open_base(base_dir).spec.name), "rank": 4, "alpha": 12.0}]
     model, _ = load_tunix_model(base_dir, param_dtype=np.float32, skip_multimodal=True,
@@ -225,7 +224,8 @@ def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: f
     cls = hf_model_class(base_dir)
     base = cls.from_pretrained(base_dir, dtype=torch.float32)
     target = target_modules or rf"{re.escape(b.module_prefix)}layers\.\d+\..*\.({'|'.join(names)})"
-    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target, task_type="CAUSAL_LM", **config)
+    cfg = LoraConfig(r=r, lora_alpha=lora_alpha,  # type: ignore[arg-type]  # PEFT takes a float alpha
+                     target_modules=target, task_type="CAUSAL_LM", **config)
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -299,7 +299,8 @@ def fill_hub_cache(cache_dir: str, repo_id: str, src_dir: str, *, revision: str 
 # scripts/compat_check.py): name, CLI arguments ({out}: this step's output; {name}: an earlier
 # step's; {base}, {bf16}, {lora}, {peft}: the inputs of :func:`build_compat_inputs`).
 COMPAT_STEPS = (
-    ("s2o", ("convert", "safetensors-to-orbax", "{bf16}", "{out}", "--chunk-size", "16KiB", "--tunix-version", "0.1.7")),
+    ("s2o", ("convert", "safetensors-to-orbax", "{bf16}", "{out}", "--chunk-size", "16KiB",
+             "--tunix-version", "0.1.7")),
     ("o2s", ("convert", "orbax-to-safetensors", "{s2o}", "{out}", "--max-shard-size", "200KB")),
     ("o2p", ("convert", "orbax-to-peft", "{lora}", "{out}", "--base", "{base}")),
     ("o2p_vllm", ("convert", "orbax-to-peft", "{lora}", "{out}", "--base", "{base}", "--target", "vllm")),

@@ -7,6 +7,7 @@ tokens, in float32 with full-precision matmuls, over a sequence longer than the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -15,10 +16,89 @@ from ckptbridge.config import read_config_file
 from ckptbridge.errors import ConfigError, MismatchError
 from ckptbridge.io.hf import HFModelDir
 from ckptbridge.lora import ADAPTER_CONFIG, open_base
+from ckptbridge.options import LOGITS_TOLERANCE, SERVED_TOKENS
+from ckptbridge.report import Report, internal
 from ckptbridge.specs import family_for, get_family, parse_config
 
 
-def compare_tensors(a: str, b: str) -> dict:
+@dataclasses.dataclass(frozen=True)
+class TensorsReport(Report):
+    """Two HF model directories compared tensor by tensor."""
+
+    a: str
+    b: str
+    tensors: int
+    only_in_a: list[str]
+    only_in_b: list[str]
+    differing: list[str]
+    identical: bool
+    bytes: int
+
+    def summary(self) -> str:
+        text = f"{self.a} vs {self.b}: {self.tensors} tensors, " + (
+            "identical (keys, dtypes, shapes, bytes)" if self.identical else
+            f"DIFFERENT: {len(self.differing)} differ, {len(self.only_in_a)} only in A, "
+            f"{len(self.only_in_b)} only in B")
+        for key in (self.differing + self.only_in_a + self.only_in_b)[:10]:
+            text += f"\n  {key}"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsReport(Report):
+    """transformers vs Tunix logits on the same random tokens."""
+
+    hf: str
+    tunix: str
+    tokens: list[int]  # batch, sequence length
+    sliding_window: int | None
+    rel_l2: float
+    max_abs_diff: float
+    argmax_agreement: float
+    config_mismatch: list[str]  # what Tunix computes otherwise (then the gap is expected)
+    ok: bool  # rel_l2 within tolerance and every argmax equal
+    tolerance: float = internal(LOGITS_TOLERANCE)
+
+    def summary(self) -> str:
+        return (
+            f"logits parity, transformers ({self.hf}) vs Tunix ({self.tunix}), tokens {self.tokens[0]}x"
+            f"{self.tokens[1]} (sliding window {self.sliding_window}):\n  relative L2 {self.rel_l2:.3e}, max |diff| "
+            f"{self.max_abs_diff:.3e}, argmax agreement {self.argmax_agreement:.4f} -> {'OK' if self.ok else 'FAIL'} "
+            f"(tolerance {self.tolerance:g})"
+            + (f"\n  the gap measured for what Tunix computes otherwise: {'; '.join(self.config_mismatch)}"
+               if self.config_mismatch else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedReport(Report):
+    """Greedy tokens of a running server vs transformers (+ PEFT)."""
+
+    url: str
+    model: str
+    base: str
+    adapter: str | None
+    prompt_ids: list[int]
+    tokens: int
+    server: list[int]
+    reference: list[int]
+    equal: bool
+    first_divergence: int | None
+
+    def summary(self) -> str:
+        ref = f"transformers{' + PEFT ' + self.adapter if self.adapter else ''} (float32)"
+        if self.equal:
+            return f"verify served: {self.model} at {self.url}: {self.tokens} greedy tokens equal {ref} -> OK"
+        i = self.first_divergence or 0
+        got = self.server[i] if i < len(self.server) else "none"
+        want = self.reference[i] if i < len(self.reference) else "none"
+        return (f"verify served: {self.model} at {self.url}: greedy tokens leave {ref} at position {i} of "
+                f"{self.tokens} (server {got}, reference {want}) -> FAIL\n  a server computing in bfloat16 (vLLM's "
+                "--dtype auto on a float32 checkpoint) can diverge: serve with --dtype float32; an adapter exported "
+                "for transformers diverges on k_eq_v layers: check it with `ckptbridge verify adapter ADAPTER --base "
+                "BASE --target vllm`")
+
+
+def compare_tensors(a: str, b: str) -> TensorsReport:
     """Compare two HF model directories tensor by tensor: key sets, dtypes, shapes and bytes."""
     with HFModelDir(a) as da, HFModelDir(b) as db:
         ka, kb = set(da.keys()), set(db.keys())
@@ -29,16 +109,9 @@ def compare_tensors(a: str, b: str) -> dict:
                 db.file_of(key).raw(key)
             ):
                 differing.append(key)
-        return {
-            "a": a,
-            "b": b,
-            "tensors": len(ka | kb),
-            "only_in_a": sorted(ka - kb),
-            "only_in_b": sorted(kb - ka),
-            "differing": differing,
-            "identical": ka == kb and not differing,
-            "bytes": sum(da.info(k).nbytes for k in ka),
-        }
+        return TensorsReport(a=a, b=b, tensors=len(ka | kb), only_in_a=sorted(ka - kb), only_in_b=sorted(kb - ka),
+                             differing=differing, identical=ka == kb and not differing,
+                             bytes=sum(da.info(k).nbytes for k in ka))
 
 
 def hf_model_class(model_dir: str):
@@ -54,7 +127,6 @@ def hf_model_class(model_dir: str):
 def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
     """Logits of the HF model in ``hf_dir`` (float32, eager attention) for ``tokens`` (B, T)."""
     import torch
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -113,9 +185,11 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | None = None,
-                  batch: int = 2, seed: int = 0, allow_config_mismatch: bool = False) -> dict:
+                  batch: int = 2, seed: int = 0, allow_config_mismatch: bool = False,
+                  tolerance: float = LOGITS_TOLERANCE) -> LogitsReport:
     """Run transformers on ``hf_dir`` and Tunix on ``tunix_src`` (an HF directory or an Orbax
-    checkpoint; default ``hf_dir``) on the same random tokens; report relative L2 and argmax."""
+    checkpoint; default ``hf_dir``) on the same random tokens; report relative L2 and argmax
+    (``ok``: relative L2 within ``tolerance`` and every argmax equal)."""
     import jax
 
     from ckptbridge.tunix_model import load_tunix_model
@@ -133,16 +207,12 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
     if ours.shape != ref.shape:
         raise MismatchError(f"logits shapes differ: Tunix {ours.shape}, transformers {ref.shape}")
     rel = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
-    return {
-        "hf": hf_dir,
-        "tunix": tunix_src or hf_dir,
-        "tokens": [batch, seq_len],
-        "sliding_window": cfg.sliding_window,
-        "rel_l2": rel,
-        "max_abs_diff": float(np.max(np.abs(ours - ref))),
-        "argmax_agreement": float(np.mean(ours.argmax(-1) == ref.argmax(-1))),
-        "config_mismatch": get_family(cfg.family).config_mismatches(cfg),  # what Tunix computes otherwise (then the gap is expected)
-    }
+    agreement = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
+    return LogitsReport(hf=hf_dir, tunix=tunix_src or hf_dir, tokens=[batch, seq_len],
+                        sliding_window=cfg.sliding_window,
+                        rel_l2=rel, max_abs_diff=float(np.max(np.abs(ours - ref))), argmax_agreement=agreement,
+                        config_mismatch=get_family(cfg.family).config_mismatches(cfg),
+                        ok=rel <= tolerance and agreement == 1.0, tolerance=tolerance)
 
 
 # --------------------------------------------------------------------------- adapters and token ids
@@ -166,7 +236,8 @@ def prompt_ids(base: str, *, ids: list[int] | None = None, prompt: str | None = 
 
             tok = AutoTokenizer.from_pretrained(base)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{base}: no tokenizer to encode --prompt ({type(e).__name__}); pass --ids instead") from None
+            raise ConfigError(
+                f"{base}: no tokenizer to encode --prompt ({type(e).__name__}); pass --ids instead") from None
         ids = list(tok(prompt)["input_ids"])
         if not ids:
             raise ConfigError("--prompt encodes to no tokens")
@@ -212,7 +283,8 @@ def server_greedy(url: str, model: str, ids: list[int], n: int, timeout: float =
     try:
         r = httpx.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=timeout)
     except httpx.HTTPError as e:
-        raise InputNotFoundError(f"{url}: no answer from the server ({type(e).__name__}: {e}); is it running?") from None
+        raise InputNotFoundError(
+            f"{url}: no answer from the server ({type(e).__name__}: {e}); is it running?") from None
     if r.status_code != 200:
         try:
             reason = r.json()["error"]["message"]
@@ -228,7 +300,7 @@ def server_greedy(url: str, model: str, ids: list[int], n: int, timeout: float =
 
 
 def served_parity(url: str, model: str, base: str, *, adapter: str | None = None, ids: list[int] | None = None,
-                  tokens: int = 16, step: int | None = None, alpha: float | None = None) -> dict:
+                  tokens: int = SERVED_TOKENS, step: int | None = None, alpha: float | None = None) -> ServedReport:
     """Greedy token ids of ``model`` on a running server against transformers (+ PEFT with
     ``adapter``, a PEFT directory or an Orbax LoRA checkpoint) in float32 on the same ids."""
     import tempfile
@@ -240,5 +312,5 @@ def served_parity(url: str, model: str, base: str, *, adapter: str | None = None
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if first is None and len(got) != len(want):
         first = min(len(got), len(want))
-    return {"url": url, "model": model, "base": base, "adapter": adapter, "prompt_ids": ids, "tokens": tokens,
-            "server": got, "reference": want, "equal": first is None, "first_divergence": first}
+    return ServedReport(url=url, model=model, base=base, adapter=adapter, prompt_ids=ids, tokens=tokens, server=got,
+                        reference=want, equal=first is None, first_divergence=first)

@@ -102,7 +102,7 @@ def run(args) -> dict:
     from serving.evaluate import BUNDLED_PROBLEMS, generate, list_problems, score
     from serving.profiles import PROFILES, build_command
     from serving.server import LocalServer, free_port
-    from training.__main__ import SAMPLE_DATA
+    from training.cli import SAMPLE_DATA
     from training.config import build_config
     from training.trainer import read_metrics, train
 
@@ -143,10 +143,10 @@ def run(args) -> dict:
     to_hf = convert_orbax_to_safetensors(orbax_dir, back, progress=False)
     same = compare_tensors(base, back)
     parity = logits_parity(base, orbax_dir)
-    report["conversion"] = {"tensors": same["tensors"], "bytes": same["bytes"], "identical": same["identical"],
-                            "safetensors_to_orbax_s": to_orbax["seconds"], "orbax_to_safetensors_s": to_hf["seconds"],
+    report["conversion"] = {"tensors": same.tensors, "bytes": same.bytes, "identical": same.identical,
+                            "safetensors_to_orbax_s": to_orbax.seconds, "orbax_to_safetensors_s": to_hf.seconds,
                             "orbax_bytes": dir_bytes(orbax_dir)}
-    report["parity"] = parity
+    report["parity"] = parity.to_json()
 
     # 3. training
     steps("train", f"LoRA SFT with the training package (tiny-cpu preset) on {os.path.basename(data)}")
@@ -167,7 +167,7 @@ def run(args) -> dict:
     timing = {}
     for target, path in adapters.items():
         r = convert_orbax_to_peft(ckpts, path, base=base, target=target, progress=False)
-        timing[f"orbax_to_peft_{target}_s"] = r["seconds"]
+        timing[f"orbax_to_peft_{target}_s"] = r.seconds
     merged = os.path.join(work, "merged")
     t0 = time.perf_counter()
     merge_lora(base, ckpts, merged, progress=False)
@@ -192,9 +192,9 @@ def run(args) -> dict:
         served = served_parity(server.url, "ft", base, adapter=adapters["hf"], ids=ids, tokens=s["greedy"])
         base_tokens = server_greedy(server.url, cmd.served_name, ids, s["greedy"])
         report["serving"]["greedy_tokens"] = s["greedy"]
-        report["serving"]["adapter_tokens_equal_hf_peft"] = served["equal"]
-        report["serving"]["first_divergence"] = served["first_divergence"]
-        report["serving"]["adapter_changes_tokens"] = served["server"] != base_tokens
+        report["serving"]["adapter_tokens_equal_hf_peft"] = served.equal
+        report["serving"]["first_divergence"] = served.first_divergence
+        report["serving"]["adapter_changes_tokens"] = served.server != base_tokens
 
         # 6. bench
         steps("bench", f"bench: QPS {s['qps']} x shapes {s['shapes']}, {s['num_prompts']} prompts per point")
@@ -233,8 +233,8 @@ def run(args) -> dict:
     report["step_seconds"] = steps.times
     losses = report["training"]["losses"]
     checks = {
-        "round trip bit-identical": same["identical"],
-        f"transformers vs Tunix rel L2 <= {TOL:g}": parity["rel_l2"] <= TOL,
+        "round trip bit-identical": same.identical,
+        f"transformers vs Tunix rel L2 <= {TOL:g}": parity.rel_l2 <= TOL,
         "training loss fell": len(losses) > 1 and np.mean(losses[-2:]) < np.mean(losses[:2]),
         f"PEFT vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["peft_vs_tunix_rel_l2"] <= TOL,
         f"merged vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["merged_vs_tunix_rel_l2"] <= TOL,
@@ -349,6 +349,3 @@ def main(argv=None) -> int:
     print(f"wrote {os.path.join(args.out, 'report.md')}, report.json and the PNGs in {report['seconds']:.0f} s")
     return 0 if report["ok"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -308,6 +308,3 @@ def main(argv=None) -> int:
             raise
         return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -56,7 +56,7 @@ def rewrite(src: str, dst: str, *, tensor=None, rename=None, config=None) -> str
 
 def verify(adapter, base, **kw):
     """verify_adapter in this process: (the CLI's exit code, its --json result)."""
-    r = json.loads(json.dumps(verify_adapter(adapter, base, **kw)))
+    r = json.loads(json.dumps(verify_adapter(adapter, base, **kw).to_json()))
     return (0 if r["ok"] else 6), r
 
 

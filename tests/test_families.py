@@ -86,20 +86,20 @@ def test_round_trip_is_bitwise(models, tmp_path, case, variant):
     r = convert_safetensors_to_orbax(src, orbax_dir, progress=False, **_skip(case))
     r2 = convert_orbax_to_safetensors(orbax_dir, back, max_shard_size="60KB" if variant else "5GB", progress=False)
     cmp = compare_tensors(src, back)
-    assert cmp["differing"] == [] and cmp["only_in_b"] == []
+    assert cmp.differing == [] and cmp.only_in_b == []
     with open_hf_source(src, skip_multimodal=True) as source:
         towers = sorted(source.tower_keys)
-        assert r["key_prefix"] == r2["key_prefix"] == source.prefix
-    assert cmp["only_in_a"] == towers and (bool(towers) == (case in MULTIMODAL))
+        assert r.key_prefix == r2.key_prefix == source.prefix
+    assert cmp.only_in_a == towers and (bool(towers) == (case in MULTIMODAL))
     if case == "gemma3_mm":  # the prefix found on disk is the one written back
-        assert r["key_prefix"] == "language_model.model."
-        assert all(k.startswith("language_model.model.") for k in cmp["only_in_b"] + sorted(
+        assert r.key_prefix == "language_model.model."
+        assert all(k.startswith("language_model.model.") for k in cmp.only_in_b + sorted(
             json.load(open(os.path.join(back, "model.safetensors.index.json")))["weight_map"]
             if os.path.exists(os.path.join(back, "model.safetensors.index.json")) else []))
     if case == "qwen3_untied":
         assert any(k == "lm_head.weight" for k in _keys(back))
     if variant:
-        assert len([f for f in r2["files"] if f.endswith(".safetensors")]) > 1
+        assert len([f for f in r2.files if f.endswith(".safetensors")]) > 1
     assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(src, "config.json")))
     assert tree_hash(src) == before
 
@@ -148,9 +148,9 @@ def test_logits_match_transformers(models, tmp_path, case):
     orbax_dir = str(tmp_path / "orbax")
     convert_safetensors_to_orbax(src, orbax_dir, progress=False, **_skip(case))
     r = logits_parity(src, orbax_dir)
-    assert r["rel_l2"] <= 1e-5 and r["argmax_agreement"] == 1.0, r
-    if r["sliding_window"]:
-        assert r["tokens"][1] > 2 * r["sliding_window"]
+    assert r.rel_l2 <= 1e-5 and r.argmax_agreement == 1.0, r
+    if r.sliding_window:
+        assert r.tokens[1] > 2 * r.sliding_window
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def test_peft_to_orbax_gives_peft_logits(adapters, tmp_path, case):
     a = adapters[case]
     dst = str(tmp_path / "orbax-lora")
     r = convert_peft_to_orbax(a["peft"], dst, base=a["base"], kv="exact", progress=False)
-    assert r["modules"] > 0
+    assert r.modules > 0
     ref = peft_logits(a["base"], a["peft"], TOKENS)
     model = load_tunix_adapter(a["base"], dst)
     got = tunix_logits(model, TOKENS)
@@ -198,13 +198,13 @@ def test_orbax_to_peft_gives_tunix_logits(adapters, tmp_path, case, target):
     dst = str(tmp_path / "peft")
     r = convert_orbax_to_peft(a["tunix"], dst, base=a["base"], target=target, progress=False)
     b = open_base(a["base"])
-    assert r["modules"] == sum(len(m.hf_modules) for m in b.modules)
+    assert r.modules == sum(len(m.hf_modules) for m in b.modules)
     cfg = json.load(open(os.path.join(dst, "adapter_config.json")))
     assert all(re.fullmatch(cfg["target_modules"], n) for m in b.modules for n in m.hf_modules)  # as PEFT matches
     got = peft_logits(a["base"], dst, TOKENS)
     assert rel_l2(got, a["tunix_logits"]) <= 1e-5
     lint = lint_adapter(dst, a["base"], target=target)  # `ckptbridge verify adapter --lint-only`
-    assert lint.errors == [] and lint.modules == r["modules"]
+    assert lint.errors == [] and lint.modules == r.modules
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -213,7 +213,7 @@ def test_merge_equals_adapter(adapters, tmp_path, case):
     ref = peft_logits(a["base"], a["peft"], TOKENS)
     merged = str(tmp_path / "merged")
     r = merge_lora(a["base"], a["peft"], merged, progress=False)
-    assert r["merged_tensors"] > 0
+    assert r.merged_tensors > 0
     assert rel_l2(hf_logits(merged, TOKENS), ref) <= 1e-5
     merged_tunix = str(tmp_path / "merged-tunix")  # the Orbax LoRA checkpoint merges too
     merge_lora(a["base"], a["tunix"], merged_tunix, progress=False)
@@ -233,7 +233,7 @@ def test_gemma3_fused_qkv_lora(tmp_path):
     assert {m.entry.rule.name for m in b.modules} >= {"qkv"} and "q" not in {m.entry.rule.name for m in b.modules}
     peft_dir = build_peft_adapter(base, str(tmp_path / "peft"), r=2, lora_alpha=4, seed=1)
     r = convert_peft_to_orbax(peft_dir, str(tmp_path / "orbax"), base=base, kv="exact", progress=False)
-    assert r["modes"].get("exact") == 6 and r["rules"][0]["rank"] in (2, 6)
+    assert r.modes.get("exact") == 6 and r.rules[0]["rank"] in (2, 6)
     ref = peft_logits(base, peft_dir, TOKENS)
     got = tunix_logits(load_tunix_adapter(base, str(tmp_path / "orbax")), TOKENS)
     assert rel_l2(got, ref) <= 1e-5
@@ -252,8 +252,8 @@ def test_gemma1_fused_qkv_svd(adapters, tmp_path):
     a = adapters["gemma_fused"]
     r = convert_peft_to_orbax(a["peft"], str(tmp_path / "svd"), base=a["base"], kv="svd", progress=False)
     layers = len(open_base(a["base"]).cfg.layers)
-    assert r["modes"]["svd"] == layers and len(r["svd_relative_error"]) == layers
-    assert all(0 < e < 1 for e in r["svd_relative_error"].values()) and r["rules"][0]["rank"] == 4
+    assert r.modes["svd"] == layers and len(r.svd_relative_error) == layers
+    assert all(0 < e < 1 for e in r.svd_relative_error.values()) and r.rules[0]["rank"] == 4
     got = tunix_logits(load_tunix_adapter(a["base"], str(tmp_path / "svd")), TOKENS)
     ref, base = peft_logits(a["base"], a["peft"], TOKENS), hf_logits(a["base"], TOKENS)
     assert rel_l2(got, ref) < rel_l2(base, ref)  # closer to the adapter than no adapter at all
@@ -269,7 +269,7 @@ def test_expert_lora_merges_and_is_refused_by_peft_to_orbax(models, tmp_path):
                                   target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
     r = merge_lora(base, peft_dir, str(tmp_path / "merged"), progress=False)
     cfg = open_base(base).cfg
-    assert r["merged_tensors"] == cfg.num_layers * (3 * cfg.sizes["e"] + 2)
+    assert r.merged_tensors == cfg.num_layers * (3 * cfg.sizes["e"] + 2)
     ref = peft_logits(base, peft_dir, TOKENS)
     assert rel_l2(hf_logits(str(tmp_path / "merged"), TOKENS), ref) <= 1e-5
     assert rel_l2(hf_logits(base, TOKENS), ref) > 1e-2  # the experts' LoRA does something
@@ -365,7 +365,7 @@ def test_training_on_a_mesh_then_export(models, tmp_path, case):
 
     from ckptbridge.specs import get_family
     from ckptbridge.tunix_model import load_tunix_lora_model
-    from training.__main__ import SAMPLE_DATA
+    from training.cli import SAMPLE_DATA
 
     base, run = models[case], str(tmp_path / "run")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -383,7 +383,7 @@ def test_training_on_a_mesh_then_export(models, tmp_path, case):
     r = convert_orbax_to_peft(os.path.join(run, "checkpoints"), adapter, base=base, progress=False)
     spec = get_family(CASES[case]["family"])
     names = {n.rsplit(".", 1)[-1] for m in open_base(base).modules for n in m.hf_modules}
-    assert r["modules"] == sum(len(m.hf_modules) for m in open_base(base).modules)
+    assert r.modules == sum(len(m.hf_modules) for m in open_base(base).modules)
     # qwix puts no LoRA on experts (raw parameters); E2B adds the per-layer input gate and projection
     assert len(names) == {"qwen3_moe": 4, "gemma4_e2b": 9}.get(case, 7)
     model, step, recorded = load_tunix_lora_model(base, os.path.join(run, "checkpoints"))
@@ -410,12 +410,12 @@ def test_gemma3_newer_writers_prefix(models, tmp_path):
         renamed[key] = value
     save_file(renamed, path, metadata={"format": "pt"})
     r = convert_safetensors_to_orbax(src, str(tmp_path / "orbax"), skip_multimodal=True, progress=False)
-    assert r["key_prefix"] == "model.language_model." and r["towers_dropped"] > 0
+    assert r.key_prefix == "model.language_model." and r.towers_dropped > 0
     convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
     cmp = compare_tensors(src, str(tmp_path / "back"))
-    assert cmp["differing"] == [] and cmp["only_in_b"] == []
+    assert cmp.differing == [] and cmp.only_in_b == []
     assert all(k.startswith("model.vision_tower.") or k.startswith("model.multi_modal_projector.")
-               for k in cmp["only_in_a"])
+               for k in cmp.only_in_a)
     # and the original (older) layout of the same model gives the same Tunix tree
     with open_hf_source(src, skip_multimodal=True) as a, open_hf_source(models["gemma3_mm"], skip_multimodal=True) as b:
         assert [e.tunix_path for e in a.entries] == [e.tunix_path for e in b.entries]
@@ -433,7 +433,7 @@ def test_config_tunix_cannot_compute(tmp_path, family, rope):
     import subprocess
     import sys
 
-    from training.__main__ import SAMPLE_DATA
+    from training.cli import SAMPLE_DATA
 
     src = build_checkpoint(str(tmp_path / "hf"), family=family, rope_parameters=rope)
     cli = run_cli("convert", "safetensors-to-orbax", src, str(tmp_path / "orbax"), "--quiet")
@@ -445,14 +445,14 @@ def test_config_tunix_cannot_compute(tmp_path, family, rope):
     info = json.loads(run_cli("inspect", src, "--json").stdout)
     assert any(p.startswith("rope_theta") for p in info["tunix_mismatch"])
     r = convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
-    assert compare_tensors(src, str(tmp_path / "back"))["identical"] and "rope_theta" in r["config_mismatch"]
+    assert compare_tensors(src, str(tmp_path / "back")).identical and "rope_theta" in r.config_mismatch
     with pytest.raises(UnsupportedError, match=r"rope_theta .*--allow-config-mismatch"):
         logits_parity(src)
     gap = logits_parity(src, allow_config_mismatch=True)
-    assert gap["rel_l2"] > 1e-4  # measured, not hidden
-    assert any(p.startswith("rope_theta") for p in gap["config_mismatch"])
+    assert gap.rel_l2 > 1e-4  # measured, not hidden
+    assert any(p.startswith("rope_theta") for p in gap.config_mismatch)
     cli = run_cli("verify", "logits", src, "--allow-config-mismatch", "--json")
-    assert cli.returncode == 6 and json.loads(cli.stdout)["rel_l2"] == pytest.approx(gap["rel_l2"], rel=1e-3)
+    assert cli.returncode == 6 and json.loads(cli.stdout)["rel_l2"] == pytest.approx(gap.rel_l2, rel=1e-3)
     # training: refused before anything is written, then trains with the flag
     run = str(tmp_path / "run")
     argv = [sys.executable, "-m", "training", "--preset", "tiny-cpu", "--quiet", "--base", src, "--data", SAMPLE_DATA,
@@ -515,7 +515,7 @@ def test_gemma4_kv_shared_layers_from_older_writers(models, tmp_path):
         assert {e.layer.index for e in shared} == {4, 5} and all(not a.tunix_value(e).any() for e in shared)
     convert_safetensors_to_orbax(old, str(tmp_path / "orbax"), progress=False)
     convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
-    assert compare_tensors(src, str(tmp_path / "back"))["identical"]
+    assert compare_tensors(src, str(tmp_path / "back")).identical
 
 
 def test_gemma4_e4b_text_both_dialects(tmp_path):
@@ -541,9 +541,9 @@ def test_gemma4_e4b_text_both_dialects(tmp_path):
     for model_dir in (legacy, src):
         orbax_dir, back = str(tmp_path / f"orbax-{os.path.basename(model_dir)}"), str(tmp_path / "back")
         r = convert_safetensors_to_orbax(model_dir, orbax_dir, progress=False)
-        assert r["key_prefix"] == "model." and r["config_mismatch"] is None
+        assert r.key_prefix == "model." and r.config_mismatch is None
         convert_orbax_to_safetensors(orbax_dir, back, progress=False, overwrite=True)
-        assert compare_tensors(model_dir, back)["identical"]
+        assert compare_tensors(model_dir, back).identical
         assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(model_dir, "config.json")))
     with open_hf_source(src) as source:
         assert {e.layer.index for e in source.entries if not e.hf_keys} == {4, 5}  # no k/v of their own
@@ -569,7 +569,7 @@ def test_gemma4_ple_layout_of_later_tunix(models, tmp_path):
     new, old = str(tmp_path / "new"), str(tmp_path / "old")
     r = convert_safetensors_to_orbax(src, new, tunix_version="0.1.8", progress=False)
     r_old = convert_safetensors_to_orbax(src, old, progress=False)
-    assert r["tunix_version"] == "0.1.8" and r_old["tunix_version"] == installed_tunix_version() == "0.1.7"
+    assert r.tunix_version == "0.1.8" and r_old.tunix_version == installed_tunix_version() == "0.1.7"
     table, projection = ("embedder", "per_layer_input_embedding"), ("embedder", "per_layer_model_projection", "w")
     with OrbaxCheckpoint(new) as a, OrbaxCheckpoint(old) as b:
         assert a.metadata.tunix_version == "0.1.8" and b.metadata.tunix_version == "0.1.7"
@@ -586,9 +586,9 @@ def test_gemma4_ple_layout_of_later_tunix(models, tmp_path):
     for orbax_dir, config in ((new, None), (bare, src)):
         back = str(tmp_path / f"back-{os.path.basename(orbax_dir)}")
         convert_orbax_to_safetensors(orbax_dir, back, config=config, progress=False)
-        assert compare_tensors(src, back)["identical"], orbax_dir
+        assert compare_tensors(src, back).identical, orbax_dir
     parity = logits_parity(src, new)  # loaded into the installed Tunix 0.1.7: (..., L, P) again
-    assert parity["rel_l2"] <= 1e-5 and parity["argmax_agreement"] == 1.0, parity
+    assert parity.rel_l2 <= 1e-5 and parity.argmax_agreement == 1.0, parity
     p = run_cli("convert", "safetensors-to-orbax", src, str(tmp_path / "bad"), "--tunix-version", "next")
     assert p.returncode != 0 and "--tunix-version" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not os.path.exists(str(tmp_path / "bad"))
@@ -614,11 +614,11 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
 
     src = build_checkpoint(str(tmp_path / "hf"), prefix=prefix, dtype=dtype, shards=shards, seed=3, **GEMMA4_MOE)
     r = convert_safetensors_to_orbax(src, str(tmp_path / "orbax"), skip_multimodal=True, progress=False)
-    assert r["layer_kinds"] == {"sliding + moe": 5, "global (k_eq_v) + moe": 1}
-    assert "enable_moe_block" in r["config_mismatch"]
+    assert r.layer_kinds == {"sliding + moe": 5, "global (k_eq_v) + moe": 1}
+    assert "enable_moe_block" in r.config_mismatch
     convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
     cmp = compare_tensors(src, str(tmp_path / "back"))
-    assert cmp["differing"] == [] and cmp["only_in_b"] == [] and all("tower" in k for k in cmp["only_in_a"])
+    assert cmp.differing == [] and cmp.only_in_b == [] and all("tower" in k for k in cmp.only_in_a)
     if dtype == "bfloat16":
         return
     with open_hf_source(src, skip_multimodal=True) as source:
@@ -631,7 +631,7 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
     assert set(ours) == set(theirs) and all(np.array_equal(v, theirs[p]) for p, v in ours.items())
     with pytest.raises(UnsupportedError, match="enable_moe_block .*--allow-config-mismatch"):
         logits_parity(src, str(tmp_path / "orbax"))
-    gap = logits_parity(src, str(tmp_path / "orbax"), allow_config_mismatch=True)["rel_l2"]
+    gap = logits_parity(src, str(tmp_path / "orbax"), allow_config_mismatch=True).rel_l2
     const = str(tmp_path / "const")
     shutil.copytree(src, const)
     weights = os.path.join(const, "model.safetensors")
@@ -641,14 +641,14 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
             tensors[key] = np.full_like(tensors[key], 0.7)
     save_file(tensors, weights, metadata={"format": "pt"})
     same = logits_parity(const, allow_config_mismatch=True)
-    assert gap > 1e-3 and same["rel_l2"] <= 1e-5 and same["argmax_agreement"] == 1.0
+    assert gap > 1e-3 and same.rel_l2 <= 1e-5 and same.argmax_agreement == 1.0
     # LoRA on attention and the dense MLP, both ways, checked through Tunix on that model (where Tunix
     # computes what transformers computes); building it still needs the flag
     from ckptbridge.tunix_model import load_tunix_adapter
 
     cpeft = build_peft_adapter(const, str(tmp_path / "cpeft"), r=2, lora_alpha=4, seed=4)
     r = convert_peft_to_orbax(cpeft, str(tmp_path / "corbax"), base=const, kv="exact", progress=False)
-    assert r["modules"] == len(open_base(const).modules) == 6 * 6  # q, kv (k on the global layer), o, gate, up, down
+    assert r.modules == len(open_base(const).modules) == 6 * 6  # q, kv (k on the global layer), o, gate, up, down
     with pytest.raises(UnsupportedError, match="--allow-config-mismatch"):
         load_tunix_adapter(const, str(tmp_path / "corbax"))
     model = load_tunix_adapter(const, str(tmp_path / "corbax"), allow_config_mismatch=True)
@@ -663,7 +663,7 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
     from ckptbridge.adapter_check import verify_adapter
 
     checked = verify_adapter(cpeft, const)
-    assert checked["ok"] and checked["exact"]["ok"] is None and "enable_moe_block" in checked["exact"]["skipped"]
+    assert checked.ok and checked.exact["ok"] is None and "enable_moe_block" in checked.exact["skipped"]
     peft_dir = build_peft_adapter(src, str(tmp_path / "peft"), r=2, lora_alpha=4, seed=1)
     merge_lora(src, peft_dir, str(tmp_path / "merged"), progress=False)
     ref = peft_logits(src, peft_dir, TOKENS)
@@ -674,7 +674,7 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
                                  target_modules=["q_proj"],
                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])
     r = merge_lora(src, experts, str(tmp_path / "merged-experts"), progress=False)
-    assert r["merged_tensors"] == 6 * 3  # per layer: q_proj and both expert tensors
+    assert r.merged_tensors == 6 * 3  # per layer: q_proj and both expert tensors
     ref = peft_logits(src, experts, TOKENS)
     assert rel_l2(hf_logits(str(tmp_path / "merged-experts"), TOKENS), ref) <= 1e-5
     assert rel_l2(hf_logits(src, TOKENS), ref) > 1e-2

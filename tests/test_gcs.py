@@ -92,7 +92,7 @@ def test_orbax_to_peft_from_a_bucket(made, tmp_path):
     assert info.returncode == 0 and '"kind": "orbax-lora"' in info.stdout, info.stdout + info.stderr
     merge_lora(made["base"], made["remote"], str(tmp_path / "merged-remote"), progress=False)
     merge_lora(made["base"], made["local"], str(tmp_path / "merged-local"), progress=False)
-    assert compare_tensors(str(tmp_path / "merged-local"), str(tmp_path / "merged-remote"))["identical"]
+    assert compare_tensors(str(tmp_path / "merged-local"), str(tmp_path / "merged-remote")).identical
 
 
 def test_conversions_write_to_a_bucket(gcs, made, tmp_path):
@@ -100,7 +100,7 @@ def test_conversions_write_to_a_bucket(gcs, made, tmp_path):
 
     dst = "gs://bkt/out/orbax"
     r = convert_safetensors_to_orbax(made["base"], dst, progress=False)
-    assert r["tensors"] > 0 and gcs.exists(dst + "/_METADATA")
+    assert r.tensors > 0 and gcs.exists(dst + "/_METADATA")
     assert not [p for p in gcs.ls("bkt/out") if storage.basename(p).startswith(".")]  # no temporary prefix left
     restored = ocp.StandardCheckpointer().restore(dst)  # Orbax restores it from the bucket
     local = str(tmp_path / "orbax")
@@ -115,7 +115,7 @@ def test_conversions_write_to_a_bucket(gcs, made, tmp_path):
     assert set(got) == set(want) and all(got[k].tobytes() == want[k].tobytes() for k in want)
     back = str(tmp_path / "back")
     convert_orbax_to_safetensors(dst, back, progress=False)  # and reads back bit-exact, tokenizer files too
-    assert compare_tensors(made["base"], back)["identical"]
+    assert compare_tensors(made["base"], back).identical
     assert {n for n in os.listdir(made["base"]) if n.startswith("tokenizer")} <= set(os.listdir(back))
     with pytest.raises(OutputError, match="already exists"):
         convert_safetensors_to_orbax(made["base"], dst, progress=False)

@@ -75,7 +75,7 @@ def test_merge_ids_and_revisions(offline, tmp_path):
         dst = str(tmp_path / "merged")
         cli = run_cli("merge", *args, dst, "--quiet", "--overwrite")
         assert cli.returncode == 0, (args, cli.stderr)
-        assert compare_tensors(local, dst)["identical"], args
+        assert compare_tensors(local, dst).identical, args
         assert json.load(open(os.path.join(dst, "generation_config.json"))) == {"top_k": 64}
         card = ModelCard.load(os.path.join(dst, "README.md"))
         assert card.data.to_dict()["base_model"] == ["acme/tiny-gemma"] and "acme/tiny-lora" in card.text
@@ -88,7 +88,7 @@ def test_peft_to_orbax_and_s2o_with_ids(offline, tmp_path):
     cli = run_cli("convert", "safetensors-to-orbax", "acme/tiny-gemma", str(tmp_path / "orbax"), "--quiet")
     assert cli.returncode == 0, cli.stderr
     back = run_cli("convert", "orbax-to-safetensors", str(tmp_path / "orbax"), str(tmp_path / "back"), "--quiet")
-    assert back.returncode == 0 and compare_tensors(offline["base"], str(tmp_path / "back"))["identical"]
+    assert back.returncode == 0 and compare_tensors(offline["base"], str(tmp_path / "back")).identical
     same = run_cli("verify", "tensors", "acme/tiny-gemma@v1", str(tmp_path / "back"))
     assert same.returncode == 0 and "identical" in same.stdout, same.stderr
     info = run_cli("inspect", "acme/tiny-gemma", "--json")

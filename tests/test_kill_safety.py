@@ -91,7 +91,7 @@ def test_kill_convert_and_merge(inputs, tmp_path):
 
     def merged_ok(d):
         r = compare_tensors(ref_merged, d)
-        assert r["identical"], d
+        assert r.identical, d
 
     merge = kill_trials(lambda i: cli("merge", base, adapter, str(work_m / f"dst{i}")),
                         lambda i: str(work_m / f"dst{i}"), merged_ok, t_merge, work_m, rng)
@@ -111,4 +111,4 @@ def test_kill_convert_and_merge(inputs, tmp_path):
                 argv = run(dst, "--overwrite") if os.path.exists(dst) else run(dst)
                 assert subprocess.run(argv, capture_output=True, timeout=600).returncode == 0
         assert not [n for n in os.listdir(work_dir) if ".ckptbridge-tmp-" in n]
-    assert orbax_leaves(str(work / "dst0")) == want and compare_tensors(ref_merged, str(work_m / "dst0"))["identical"]
+    assert orbax_leaves(str(work / "dst0")) == want and compare_tensors(ref_merged, str(work_m / "dst0")).identical

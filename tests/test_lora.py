@@ -84,7 +84,7 @@ def test_orbax_to_peft_gives_tunix_logits(tunix_lora, tmp_path):
         keys = f.keys()
     assert "base_model.model.model.language_model.layers.5.self_attn.k_proj.lora_A.weight" in keys
     assert not any("layers.5.self_attn.v_proj" in k for k in keys)  # k_eq_v layer, hf target
-    assert r["modules"] == 5 * 7 + 6  # sliding: q k v o gate up down; global: q k o gate up down
+    assert r.modules == 5 * 7 + 6  # sliding: q k v o gate up down; global: q k o gate up down
     ours = peft_logits(tunix_lora["base"], dst, TOKENS)
     assert rel_l2(ours, tunix_lora["logits"]) <= 1e-5
 
@@ -104,7 +104,7 @@ def test_vllm_target_repeats_k_as_v_and_warns_on_rank(tunix_lora, tmp_path, capl
     cfg = json.load(open(os.path.join(dst, "adapter_config.json")))
     # vLLM ignores rank/alpha patterns: one rank, per-module scales folded into B
     assert cfg["r"] == 8 and not cfg["rank_pattern"] and not cfg["alpha_pattern"]
-    assert any("padded" in w for w in r["warnings"])
+    assert any("padded" in w for w in r.warnings)
     with SafetensorsFile(os.path.join(dst, "adapter_model.safetensors")) as f:
         pre = "base_model.model.model.language_model.layers.5.self_attn."
         for ab in ("A", "B"):
@@ -118,12 +118,12 @@ def test_vllm_target_repeats_k_as_v_and_warns_on_rank(tunix_lora, tmp_path, capl
 def test_vllm_rank_warning(plain_tunix_lora, tmp_path):
     r = convert_orbax_to_peft(plain_tunix_lora["root"], str(tmp_path / "v"), base=plain_tunix_lora["base"],
                               alpha=6, target="vllm", progress=False)
-    assert not r["warnings"]  # rank 4 fits vLLM's default
+    assert not r.warnings  # rank 4 fits vLLM's default
     model, _ = build_tunix_lora(plain_tunix_lora["base"], [{"module_path": ".*q_einsum", "rank": 24, "alpha": 8.0}])
     root = save_tunix_lora(model, str(tmp_path / "r24"))
     r = convert_orbax_to_peft(root, str(tmp_path / "v24"), base=plain_tunix_lora["base"], alpha=8, target="vllm",
                               progress=False)
-    assert r["warnings"] == ["rank 24 exceeds vLLM's default --max-lora-rank 16: serve with --max-lora-rank 32"]
+    assert r.warnings == ["rank 24 exceeds vLLM's default --max-lora-rank 16: serve with --max-lora-rank 32"]
 
 
 def test_peft_to_orbax_restores_into_qwix_exact(peft_adapter, tmp_path):
@@ -131,7 +131,7 @@ def test_peft_to_orbax_restores_into_qwix_exact(peft_adapter, tmp_path):
 
     dst = str(tmp_path / "ckpt")
     r = convert_peft_to_orbax(peft_adapter["path"], dst, base=peft_adapter["base"], progress=False)
-    assert r["modes"]["exact"] == 5  # every sliding layer: k and v with different A
+    assert r.modes["exact"] == 5  # every sliding layer: k and v with different A
     assert os.path.isfile(os.path.join(dst, "0", "model_params", "_METADATA"))
     import orbax.checkpoint as ocp
 
@@ -146,9 +146,9 @@ def test_peft_to_orbax_restores_into_qwix_exact(peft_adapter, tmp_path):
 def test_peft_to_orbax_svd_reports_error(peft_adapter, tmp_path):
     dst = str(tmp_path / "ckpt")
     r = convert_peft_to_orbax(peft_adapter["path"], dst, base=peft_adapter["base"], kv="svd", progress=False)
-    errors = r["svd_relative_error"]
+    errors = r.svd_relative_error
     assert len(errors) == 5 and all(0 < e < 1 for e in errors.values())
-    assert all(rule["rank"] != 8 for rule in r["rules"])  # rank kept at r
+    assert all(rule["rank"] != 8 for rule in r.rules)  # rank kept at r
 
 
 def test_merge_equals_adapter_from_both_kinds(tunix_lora, peft_adapter, tmp_path):
@@ -158,7 +158,7 @@ def test_merge_equals_adapter_from_both_kinds(tunix_lora, peft_adapter, tmp_path
     ):
         dst = str(tmp_path / name)
         r = merge_lora(base, adapter, dst, max_shard_size="150KB", progress=False)
-        assert r["merged_tensors"] > 0 and len(r["files"]) > 2
+        assert r.merged_tensors > 0 and len(r.files) > 2
         assert rel_l2(hf_logits(dst, TOKENS), ref) <= 1e-5, name
         # the merged model converts with our own safetensors-to-orbax too
         from ckptbridge.convert import convert_safetensors_to_orbax
@@ -185,7 +185,7 @@ def test_round_trip_orbax_peft_orbax_is_bitwise(tunix_lora, tmp_path):
     adapter, back = str(tmp_path / "adapter"), str(tmp_path / "back")
     convert_orbax_to_peft(tunix_lora["root"], adapter, base=tunix_lora["base"], progress=False)
     r = convert_peft_to_orbax(adapter, back, base=tunix_lora["base"], step=3, progress=False)
-    assert "exact" not in r["modes"]  # qwix shares A between k and v: nothing to stack
+    assert "exact" not in r.modes  # qwix shares A between k and v: nothing to stack
     with OrbaxCheckpoint(os.path.join(tunix_lora["root"], "3", "model_params")) as a, \
             OrbaxCheckpoint(os.path.join(back, "3", "model_params")) as b:
         assert a.leaves == b.leaves

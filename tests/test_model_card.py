@@ -61,7 +61,7 @@ def test_adapter_card_for_a_local_base(made, tmp_path):
     assert _card(str(tmp_path / "named"))[0]["base_model"] == "google/gemma-4-31b-it"
     bad = run_cli("convert", "orbax-to-peft", made["tunix"], str(tmp_path / "bad"), "--base", made["local"],
                   "--base-id", "not a/valid/id")
-    assert bad.returncode != 0 and "--base-id" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.returncode != 0 and "base_id" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not os.path.exists(str(tmp_path / "bad"))
 
 

@@ -114,7 +114,7 @@ def test_a_changed_orbax_converts_through_the_public_interface(checkpoints, tmp_
 
     src = checkpoints["kv_lm_bf16_sharded"]
     streaming = convert_safetensors_to_orbax(src, str(tmp_path / "streaming"), chunk_size="4KiB", progress=False)
-    assert streaming["orbax_writer"] == "streaming"
+    assert streaming.orbax_writer == "streaming"
 
     original = ocp.type_handlers.NumpyHandler._open_and_write
 
@@ -124,7 +124,7 @@ def test_a_changed_orbax_converts_through_the_public_interface(checkpoints, tmp_
     monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "_open_and_write", changed)
     assert orbax_io.orbax_writer() == "public"
     public = convert_safetensors_to_orbax(src, str(tmp_path / "public"), chunk_size="4KiB", progress=False)
-    assert public["orbax_writer"] == "public"
+    assert public.orbax_writer == "public"
     monkeypatch.undo()
     with OrbaxCheckpoint(str(tmp_path / "streaming")) as a, OrbaxCheckpoint(str(tmp_path / "public")) as b:
         assert a.leaves == b.leaves
@@ -132,7 +132,7 @@ def test_a_changed_orbax_converts_through_the_public_interface(checkpoints, tmp_
         ga, gb = a.read(list(a.leaves)), b.read(list(b.leaves))
     assert all(ga[p].tobytes() == gb[p].tobytes() for p in ga)
     convert_orbax_to_safetensors(str(tmp_path / "public"), str(tmp_path / "back"), progress=False)
-    assert compare_tensors(src, str(tmp_path / "back"))["identical"]
+    assert compare_tensors(src, str(tmp_path / "back")).identical
 
 
 def test_cli_public_writer_and_a_bad_choice(checkpoints, tmp_path):
@@ -142,7 +142,7 @@ def test_cli_public_writer_and_a_bad_choice(checkpoints, tmp_path):
     assert out.returncode == 0, out.stderr
     assert '"orbax_writer": "public"' in out.stdout
     back = run_cli("convert", "orbax-to-safetensors", str(tmp_path / "o"), str(tmp_path / "b"), "--quiet")
-    assert back.returncode == 0 and compare_tensors(src, str(tmp_path / "b"))["identical"], back.stderr
+    assert back.returncode == 0 and compare_tensors(src, str(tmp_path / "b")).identical, back.stderr
     bad = run_cli("convert", "safetensors-to-orbax", src, str(tmp_path / "x"), env={"CKPTBRIDGE_ORBAX_WRITER": "fast"})
     assert bad.returncode == 8 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "CKPTBRIDGE_ORBAX_WRITER" in bad.stderr and not os.path.exists(tmp_path / "x")

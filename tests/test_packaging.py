@@ -38,6 +38,13 @@ def test_core_install_merges_and_inspects(core_venv, checkpoints, tmp_path):
     installed = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True).stdout
     names = {line.split("==")[0].lower() for line in installed.split()}
     assert not names & {"jax", "torch", "google-tunix", "orbax-checkpoint", "transformers", "peft", "huggingface-hub"}
+    # ckptbridge is the only top-level package installed (training/serving/pipeline run from a checkout),
+    # and it says it is typed
+    record = subprocess.run([py, "-c", "import importlib.metadata as m; print('\\n'.join(str(f) for f in "
+                             "m.distribution('ckptbridge').files))"], capture_output=True, text=True, cwd=str(tmp_path))
+    files = record.stdout.split()
+    top = {f.split("/")[0] for f in files if not f.startswith("..") and ".dist-info" not in f.split("/")[0]}
+    assert top == {"ckptbridge"} and "ckptbridge/py.typed" in files, (top, record.stderr)
     probe = subprocess.run([py, "-c", "import sys, ckptbridge, ckptbridge.cli, ckptbridge.merge, ckptbridge.inspect; "
                             "print(sorted(m for m in ('jax', 'torch', 'orbax', 'tensorstore') if m in sys.modules))"],
                            capture_output=True, text=True, cwd=str(tmp_path))
@@ -51,7 +58,7 @@ def test_core_install_merges_and_inspects(core_venv, checkpoints, tmp_path):
     merge_lora(base, peft_dir, str(tmp_path / "full"), progress=False)
     cli = _run(core_venv, "merge", base, peft_dir, str(tmp_path / "core"), "--quiet")
     assert cli.returncode == 0, cli.stderr
-    assert compare_tensors(str(tmp_path / "full"), str(tmp_path / "core"))["identical"]
+    assert compare_tensors(str(tmp_path / "full"), str(tmp_path / "core")).identical
     info = _run(core_venv, "inspect", base, "--json")
     assert info.returncode == 0 and '"family": "gemma4"' in info.stdout, info.stderr
     lint = _run(core_venv, "verify", "adapter", peft_dir, "--base", base, "--lint-only")

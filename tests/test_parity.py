@@ -63,8 +63,8 @@ def test_restored_orbax_tree_gives_hf_logits(checkpoints, tmp_path, case):
 @pytest.mark.parametrize("case", ["keqv_lm_f32_sharded", "kv_text_f32_sharded"])
 def test_loader_parity_from_hf_directory(checkpoints, case):
     r = logits_parity(checkpoints[case], seq_len=SEQ)
-    assert r["rel_l2"] <= 1e-5 and r["argmax_agreement"] == 1.0, r
-    assert r["tokens"] == [2, SEQ] and SEQ > r["sliding_window"]
+    assert r.rel_l2 <= 1e-5 and r.argmax_agreement == 1.0, r
+    assert r.tokens == [2, SEQ] and SEQ > r.sliding_window
 
 
 def test_matches_tunix_own_loader_where_it_works(checkpoints):

@@ -21,11 +21,11 @@ def test_bitwise_round_trip(checkpoints, tmp_path, case):
     before = tree_hash(src)
     orbax_dir, back = str(tmp_path / "orbax"), str(tmp_path / "back")
     r = convert_safetensors_to_orbax(src, orbax_dir, progress=False)
-    assert r["key_prefix"] == CASES[case]["prefix"]
+    assert r.key_prefix == CASES[case]["prefix"]
     convert_orbax_to_safetensors(orbax_dir, back, progress=False)
     same = compare_tensors(src, back)
-    assert same["identical"], same
-    assert same["tensors"] > 0
+    assert same.identical, same
+    assert same.tensors > 0
     with HFModelDir(src) as a, HFModelDir(back) as b:
         assert sorted(a.keys()) == sorted(b.keys())
         for k in a.keys():
@@ -88,13 +88,13 @@ def test_sharded_output_with_index(checkpoints, tmp_path):
     orbax_dir, back = str(tmp_path / "orbax"), str(tmp_path / "back")
     convert_safetensors_to_orbax(src, orbax_dir, progress=False)
     r = convert_orbax_to_safetensors(orbax_dir, back, max_shard_size="100KB", progress=False)
-    shards = [f for f in r["files"] if f.endswith(".safetensors")]
+    shards = [f for f in r.files if f.endswith(".safetensors")]
     assert len(shards) > 2
     index = json.load(open(os.path.join(back, "model.safetensors.index.json")))
     assert set(index["weight_map"].values()) == set(shards)
     sizes = [os.path.getsize(os.path.join(back, s)) for s in shards]
     assert max(sizes) < 100_000 + 4096  # header slack
-    assert compare_tensors(src, back)["identical"]
+    assert compare_tensors(src, back).identical
 
 
 def test_tunix_tree_without_metadata_needs_config(checkpoints, tmp_path):
@@ -116,7 +116,7 @@ def test_tunix_tree_without_metadata_needs_config(checkpoints, tmp_path):
     assert not os.path.exists(tmp_path / "x")
     back = str(tmp_path / "back")
     convert_orbax_to_safetensors(ckpt, back, config=src, progress=False)
-    assert compare_tensors(src, back)["identical"]
+    assert compare_tensors(src, back).identical
 
 
 def test_checkpoint_manager_layout_is_found(checkpoints, tmp_path):
@@ -126,7 +126,7 @@ def test_checkpoint_manager_layout_is_found(checkpoints, tmp_path):
     convert_safetensors_to_orbax(src, str(root / "100" / "model_params"), progress=False)
     back = str(tmp_path / "back")
     convert_orbax_to_safetensors(str(root), back, progress=False)
-    assert compare_tensors(src, back)["identical"]
+    assert compare_tensors(src, back).identical
 
 
 def test_every_tensor_maps_to_an_entry(checkpoints):
@@ -155,7 +155,7 @@ def test_per_layer_config_dialect(checkpoints, tmp_path):
     orbax_dir, back = str(tmp_path / "orbax"), str(tmp_path / "back")
     convert_safetensors_to_orbax(src, orbax_dir, progress=False)
     convert_orbax_to_safetensors(orbax_dir, back, progress=False)
-    assert compare_tensors(src, back)["identical"]
+    assert compare_tensors(src, back).identical
     assert "per_layer_config" in json.load(open(os.path.join(back, "config.json")))["text_config"]
     jax.config.update("jax_default_matmul_precision", "highest")
     model, _ = load_tunix_model(orbax_dir)

@@ -116,14 +116,14 @@ def test_vllm_honours_rank_and_alpha_patterns(server, tmp_path):
     from ckptbridge.verify import hf_greedy, served_parity
 
     r = served_parity(server["url"], "ft-pattern", server["base"], adapter=server["adapters"]["pattern"], tokens=16)
-    assert r["equal"], r
+    assert r.equal, r
     # the patterns matter: without them transformers+PEFT computes other tokens
     flat = str(tmp_path / "flat")
     shutil.copytree(server["adapters"]["pattern"], flat)
     cfg = json.load(open(os.path.join(flat, "adapter_config.json")))
     cfg["alpha_pattern"] = {}
     json.dump(cfg, open(os.path.join(flat, "adapter_config.json"), "w"))
-    assert hf_greedy(server["base"], flat, r["prompt_ids"], 16) != r["server"]
+    assert hf_greedy(server["base"], flat, r.prompt_ids, 16) != r.server
 
 
 def test_failed_start_names_vllms_reason(server, tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ckptbridge.config import FULL, LayerConfig, ModelConfig, int_field
-from ckptbridge.specs import FAMILIES, FamilySpec, TensorRule, TunixModel, register
+from ckptbridge.specs import FAMILIES, FamilySpec, ModelType, TensorRule, TunixModel, register
 
 R = TensorRule
 RULES = (
@@ -46,16 +46,16 @@ def tunix_config(cfg: ModelConfig, *, dtype=None, param_dtype=None, remat=None, 
                           weight_tying=cfg.tie_word_embeddings)
 
 
-def tiny(model_type: str = "mistral", **overrides) -> dict:
+def tiny(**overrides) -> dict:
     return {"model_type": "mistral", "sliding_window": None, "vocab_size": 300, "hidden_size": 40, "intermediate_size": 56, "num_hidden_layers": 3,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "rope_theta": 1e6,
             "tie_word_embeddings": False, "rms_norm_eps": 1e-6, **overrides}
 
 
-TOY = FamilySpec(name="toymistral", model_types=("mistral",), hf_classes={"mistral": "MistralForCausalLM"},
-                 rules=RULES, key_prefixes=("model.",), default_prefixes={"mistral": "model."}, parse_config=parse,
+TOY = FamilySpec(name="toymistral", types=(ModelType("mistral", "MistralForCausalLM", "model.", tiny),),
+                 rules=RULES, key_prefixes=("model.",), parse_config=parse,
                  axes=("v", "d", "n", "h", "k", "f"), model_flags=("untied",), tied_keys=("lm_head.weight",),
-                 tunix=TunixModel("tunix.models.llama3.model", "Llama3", tunix_config), tiny_config=tiny)
+                 tunix=TunixModel("tunix.models.llama3.model", "Llama3", tunix_config))
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +73,16 @@ def toy(tmp_path_factory):
 
 def test_spec_is_checked_against_its_vocabulary():
     with pytest.raises(ValueError, match="undeclared axes"):
-        FamilySpec(name="bad", model_types=("x",), hf_classes={"x": "X"}, rules=(R("q", ("q",), "(n h) d", "q", "n z"),),
-                   key_prefixes=("model.",), default_prefixes={"x": "model."}, parse_config=parse, axes=("n", "h", "d"))
+        FamilySpec(name="bad", types=(ModelType("x", "X", "model."),), rules=(R("q", ("q",), "(n h) d", "q", "n z"),),
+                   key_prefixes=("model.",), parse_config=parse, axes=("n", "h", "d"))
     with pytest.raises(ValueError, match="not one of the family's flags"):
-        FamilySpec(name="bad", model_types=("x",), hf_classes={"x": "X"},
+        FamilySpec(name="bad", types=(ModelType("x", "X", "model."),),
                    rules=(R("q", ("q",), "d", "q", "d", when="nope"),), key_prefixes=("model.",),
-                   default_prefixes={"x": "model."}, parse_config=parse, axes=("d",))
+                   parse_config=parse, axes=("d",))
     with pytest.raises(ValueError, match="later Tunix layout"):
-        FamilySpec(name="bad", model_types=("x",), hf_classes={"x": "X"},
+        FamilySpec(name="bad", types=(ModelType("x", "X", "model."),),
                    rules=(R("q", ("q",), "(n h) d", "q", "d n h", tunix_layouts_after=(("0.1.7", "d n"),)),),
-                   key_prefixes=("model.",), default_prefixes={"x": "model."}, parse_config=parse, axes=("n", "h", "d"))
+                   key_prefixes=("model.",), parse_config=parse, axes=("n", "h", "d"))
 
 
 def test_tunix_layout_follows_the_version():
@@ -107,10 +107,10 @@ def test_toy_family_end_to_end(toy, tmp_path):
 
     jax.config.update("jax_default_matmul_precision", "highest")
     r = convert_safetensors_to_orbax(toy, str(tmp_path / "orbax"), progress=False)
-    assert r["family"] == "toymistral" and r["tensors"] == 3 + 3 * 9
+    assert r.family == "toymistral" and r.tensors == 3 + 3 * 9
     convert_orbax_to_safetensors(str(tmp_path / "orbax"), str(tmp_path / "back"), progress=False)
-    assert compare_tensors(toy, str(tmp_path / "back"))["identical"]
-    assert logits_parity(toy, str(tmp_path / "orbax"))["rel_l2"] <= 1e-5
+    assert compare_tensors(toy, str(tmp_path / "back")).identical
+    assert logits_parity(toy, str(tmp_path / "orbax")).rel_l2 <= 1e-5
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 9))
     peft_dir = build_peft_adapter(toy, str(tmp_path / "peft"), seed=1)
     convert_peft_to_orbax(peft_dir, str(tmp_path / "lora"), base=toy, progress=False)

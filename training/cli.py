@@ -86,6 +86,3 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 from ckptbridge.errors import OutputError
 from ckptbridge.io import storage
@@ -105,7 +105,8 @@ def atomic_directory(dst: str, overwrite: bool = False) -> Iterator[str]:
     try:
         tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     except OSError as e:
-        raise OutputError(f"{dst}: cannot create a directory in {parent} ({e.strerror}); choose another destination") from None
+        raise OutputError(f"{dst}: cannot create a directory in {parent} ({e.strerror}); "
+                          "choose another destination") from None
     try:
         yield os.path.join(tmp, "out")
         out = os.path.join(tmp, "out")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Callable, Iterator, Protocol, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError
 

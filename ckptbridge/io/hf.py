@@ -12,7 +12,6 @@ from ckptbridge.io import storage
 from ckptbridge.io.safetensors import SafetensorsFile, TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 WEIGHT_SUFFIXES = (".safetensors", ".h5", ".msgpack", ".gguf") + PICKLE_SUFFIXES
@@ -63,7 +62,8 @@ class HFModelDir:
         if not os.path.exists(path):
             raise InputNotFoundError(f"{path}: no such directory")
         if not os.path.isdir(path):
-            raise InputNotFoundError(f"{path}: not a directory; give the HF model directory (config.json + *.safetensors)")
+            raise InputNotFoundError(
+                f"{path}: not a directory; give the HF model directory (config.json + *.safetensors)")
         self.config = read_config_file(check_inside(path, os.path.join(path, "config.json")))
         self.files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
@@ -104,11 +104,11 @@ class HFModelDir:
                         "the index and the shards disagree"
                     )
                 self._where[key] = name
-            for name, f in self.files.items():
-                extra = [k for k in f.keys() if self._where.get(k) != name]
+            for name, shard in self.files.items():
+                extra = [k for k in shard.keys() if self._where.get(k) != name]
                 if extra:
                     raise MismatchError(
-                        f"{f.path}: holds tensor {extra[0]!r} that {INDEX_NAME} does not map to it; "
+                        f"{shard.path}: holds tensor {extra[0]!r} that {INDEX_NAME} does not map to it; "
                         "the index and the shards disagree"
                     )
             return
@@ -125,12 +125,12 @@ class HFModelDir:
                 )
             raise InputNotFoundError(f"{self.path}: no *.safetensors weights found")
         for name in names:
-            f = SafetensorsFile(check_inside(self.path, os.path.join(self.path, name)))
-            self.files[name] = f
-            for key in f.keys():
+            shard = SafetensorsFile(check_inside(self.path, os.path.join(self.path, name)))
+            self.files[name] = shard
+            for key in shard.keys():
                 if key in self._where:
                     raise CorruptFileError(
-                        f"{f.path}: tensor {key!r} also appears in {self._where[key]}; remove the duplicate file"
+                        f"{shard.path}: tensor {key!r} also appears in {self._where[key]}; remove the duplicate file"
                     )
                 self._where[key] = name
 
@@ -157,7 +157,7 @@ class HFModelDir:
         for f in self.files.values():
             f.close()
 
-    def __enter__(self) -> "HFModelDir":
+    def __enter__(self) -> HFModelDir:
         return self
 
     def __exit__(self, *exc) -> None:

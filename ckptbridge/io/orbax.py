@@ -33,7 +33,8 @@ import queue
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,12 @@ class LazyArray:
         if (produce is None) == (blocks is None) or (blocks is None) != (chunks is None):
             raise ValueError("a LazyArray needs produce, or blocks with chunks")
 
+    def value(self) -> np.ndarray:
+        """The whole array (of a LazyArray made with ``produce``)."""
+        if self.produce is None:
+            raise ValueError("this LazyArray is produced block by block")
+        return self.produce()
+
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
@@ -90,14 +97,14 @@ class LazyArray:
         """Bytes of the largest piece produced at once."""
         return math.prod(self.chunks) * self.dtype.itemsize if self.chunks is not None else self.nbytes
 
-    def __deepcopy__(self, memo) -> "LazyArray":
+    def __deepcopy__(self, memo) -> LazyArray:
         # A recipe, not data: Orbax before 0.12.5 deep-copies every value it is handed.
         return self
 
     def produce_into(self, out: np.ndarray) -> None:
         """Write every value into ``out`` (an array of this shape and dtype), block by block."""
         if self.blocks is None:
-            out[...] = _checked("leaf", self.shape, self.dtype, np.asarray(self.produce()))
+            out[...] = _checked("leaf", self.shape, self.dtype, np.asarray(self.value()))
             return
         for region, arr in self.blocks():
             want = tuple(len(range(*r.indices(n))) for r, n in zip(region, self.shape))
@@ -145,7 +152,8 @@ def orbax_writer() -> str:
     if private_contract_holds(_ocp().type_handlers.NumpyHandler):
         return "streaming"
     log.info("orbax-checkpoint %s: NumpyHandler's private steps differ from those the streaming writer was "
-             "written for; writing through Orbax's public interface (slower)", deps.installed_version("orbax-checkpoint"))
+             "written for; writing through Orbax's public interface (slower)",
+             deps.installed_version("orbax-checkpoint"))
     return "public"
 
 
@@ -157,7 +165,7 @@ def _lazy_handler(ahead_bytes: int):
     options = ({"deepcopy_host_arrays": False}
                if "deepcopy_host_arrays" in inspect.signature(numpy_handler.__init__).parameters else {})
 
-    class LazyArrayHandler(numpy_handler):
+    class LazyArrayHandler(numpy_handler):  # type: ignore[valid-type, misc]  # Orbax's class, found at run time
         """Writes LazyArray leaves in turn (whole, or a leaf with blocks block by block into
         chunks of its block shape), recorded as plain numpy arrays. Writes are handed to
         TensorStore without waiting for each to be stored: the next values are produced (on a
@@ -202,6 +210,8 @@ def _lazy_handler(ahead_bytes: int):
                 while self._pending and sum(p[1] for p in self._pending) + block_bytes > max(
                         self._ahead_bytes, 2 * block_bytes):
                     await self._retire()
+                if self._producer is None:
+                    raise RuntimeError("LazyArrayHandler: no producer (values written outside serialize)")
                 item = self._producer.take(value)
                 if item is None:
                     break
@@ -229,7 +239,7 @@ class _Producer:
     def __init__(self, values, ahead: int) -> None:
         self._ahead_max = ahead
         self._leaves = [v for v in values if isinstance(v, LazyArray)]
-        self._queues = {id(v): queue.Queue() for v in self._leaves}
+        self._queues: dict[int, queue.Queue] = {id(v): queue.Queue() for v in self._leaves}
         self._cond = threading.Condition()
         self._ahead = 0
         self._closed = False
@@ -248,8 +258,9 @@ class _Producer:
             try:
                 items = iter(value.blocks()) if value.blocks is not None else None
                 while self._wait_for_room(value.block_bytes):
+                    item: tuple | None
                     if items is None:
-                        item = ((), value.produce())
+                        item = ((), value.value())
                     else:
                         item = next(items, None)
                         if item is None:
@@ -340,7 +351,7 @@ class _ScratchArray(np.memmap):
     """A leaf produced into a scratch file for the public writer: Orbax before 0.12.5
     deep-copies the arrays it is handed, which for these would read the file into memory."""
 
-    def __deepcopy__(self, memo) -> "_ScratchArray":
+    def __deepcopy__(self, memo) -> _ScratchArray:
         return self
 
 
@@ -374,7 +385,7 @@ class _Writer:
         self.path, self.tree = path, tree
         self.scratch: str | None = None
 
-    def __enter__(self) -> "_Writer":
+    def __enter__(self) -> _Writer:
         return self
 
     def args(self):
@@ -507,7 +518,7 @@ class _TensorstoreLeaves:
                        for p, st in stores.items()}
 
     @classmethod
-    def open(cls, path: str) -> "_TensorstoreLeaves | None":
+    def open(cls, path: str) -> _TensorstoreLeaves | None:
         meta = _read_json(storage.join(path, "_METADATA"))
         tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
         if not isinstance(tree, dict) or not tree:
@@ -697,7 +708,7 @@ class OrbaxCheckpoint:
     def close(self) -> None:
         self._impl.close()
 
-    def __enter__(self) -> "OrbaxCheckpoint":
+    def __enter__(self) -> OrbaxCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,12 +16,13 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
+from ckptbridge.options import parse_size  # noqa: F401  (sizes of the writers)
 
 # safetensors dtype code -> (numpy type name, or ml_dtypes type name, item size)
 _TYPES = {
@@ -149,6 +150,7 @@ class SafetensorsFile:
                 or not 0 <= offsets[0] <= offsets[1]
             ):
                 raise CorruptFileError(f"{where}: data_offsets {offsets!r} are invalid; {fix}")
+            code = str(code)
             nbytes = math.prod(shape) * ITEMSIZE[code]
             if offsets[1] - offsets[0] != nbytes:
                 raise CorruptFileError(
@@ -162,7 +164,7 @@ class SafetensorsFile:
                 )
             infos[name] = TensorInfo(name, code, tuple(shape), base + offsets[0], base + offsets[1])
         spans = sorted((i.begin, i.end, i.name) for i in infos.values() if i.end > i.begin)
-        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
             if b1 < e0:
                 raise CorruptFileError(f"{p}: tensors {n0!r} and {n1!r} overlap in the file; {fix}")
         return infos, meta
@@ -196,7 +198,7 @@ class SafetensorsFile:
         self._read_into(part, out.reshape(-1).view(np.uint8))
         return out
 
-    def byte_range(self, name: str) -> "FileRange":
+    def byte_range(self, name: str) -> FileRange:
         """Where tensor ``name``'s bytes lie in this file, for :func:`write_file` to copy them
         file to file without reading them into memory."""
         i = self.infos[name]
@@ -230,7 +232,7 @@ class SafetensorsFile:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -266,6 +268,12 @@ class PlannedTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def value(self) -> np.ndarray:
+        """The whole tensor, from ``produce``."""
+        if self.produce is None:
+            raise ValueError(f"{self.name}: a planned tensor needs produce or chunks")
+        return self.produce()
 
 
 def _header_bytes(entries: Iterable[PlannedTensor], metadata: Mapping[str, str]) -> bytes:
@@ -382,7 +390,7 @@ def write_file(path: str, tensors: list[PlannedTensor], metadata: Mapping[str, s
     try:
         out.write(memoryview(_header_bytes(tensors, metadata)))
         for t in tensors:
-            pieces = t.chunks() if t.chunks is not None else [_checked(path, t, t.produce())]
+            pieces = t.chunks() if t.chunks is not None else [_checked(path, t, t.value())]
             start = out.pos
             for piece in pieces:
                 if isinstance(piece, FileRange):
@@ -438,28 +446,6 @@ def write_sharded(directory: str, tensors: list[PlannedTensor], max_shard_size: 
             f.write("\n")
         names.append(f"{stem}.safetensors.index.json")
     return names
-
-
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``123`` -> 123."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            num = s[: -len(unit)]
-            break
-    else:
-        num, mult = s, 1
-    try:
-        value = int(float(num) * mult)
-    except ValueError:
-        raise ValueError(f"size {text!r} is not a number with an optional unit (e.g. 5GB, 500MiB)") from None
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return value
 
 
 def iter_tensors(f: SafetensorsFile) -> Iterator[tuple[str, np.ndarray]]:

@@ -9,12 +9,31 @@
 
 from ckptbridge.lora.adapter import Adapter, hf_deltas, open_adapter
 from ckptbridge.lora.base import Base, open_base
-from ckptbridge.lora.modules import (LoraLayouts, LoraModule, Scaling, lora_layouts, lora_modules, peft_to_tunix,
-                                     plain_number, tunix_to_peft)
+from ckptbridge.lora.modules import (
+                                     LoraLayouts,
+                                     LoraModule,
+                                     Scaling,
+                                     lora_layouts,
+                                     lora_modules,
+                                     peft_to_tunix,
+                                     plain_number,
+                                     tunix_to_peft,
+)
 from ckptbridge.lora.orbax import OrbaxLora, open_orbax_lora
-from ckptbridge.lora.peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterConfig, ParamLora, PeftLora,
-                                  export_config, factor_key, open_peft_lora, parse_factor_key, pattern_value,
-                                  target_modules_regex)
+from ckptbridge.lora.peft import (
+                                     ADAPTER_CONFIG,
+                                     ADAPTER_WEIGHTS,
+                                     PEFT_PREFIX,
+                                     AdapterConfig,
+                                     ParamLora,
+                                     PeftLora,
+                                     export_config,
+                                     factor_key,
+                                     open_peft_lora,
+                                     parse_factor_key,
+                                     pattern_value,
+                                     target_modules_regex,
+)
 from ckptbridge.lora.rules import rules_for, scaling_from_rules
 from ckptbridge.lora.select import module_regex
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ckptbridge.lora.modules import tunix_to_peft
 from ckptbridge.lora.orbax import OrbaxLora, open_orbax_lora
 from ckptbridge.lora.peft import ADAPTER_CONFIG, PeftLora, open_peft_lora
 
-Adapter = Union[PeftLora, OrbaxLora]
+Adapter = PeftLora | OrbaxLora
 
 
 def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> Adapter:

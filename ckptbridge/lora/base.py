@@ -48,9 +48,10 @@ class Base:
         family, vLLM repeats included) -> the name the base's modules have."""
         names: dict[str, str] = {}
         for name in [*self.by_hf_module(), *self.vllm_aliases()]:
-            rest = name[len(self.module_prefix):] if name.startswith(self.module_prefix) else None
-            for p in self.spec.key_prefixes if rest is not None else ():
-                names.setdefault(p + rest, name)
+            if name.startswith(self.module_prefix):
+                rest = name[len(self.module_prefix):]
+                for p in self.spec.key_prefixes:
+                    names.setdefault(p + rest, name)
             names.setdefault(name, name)
         return names
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from ckptbridge import mapping
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
+from ckptbridge.io.orbax import OrbaxCheckpoint
 from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import LoraModule, Scaling
 from ckptbridge.lora.rules import scaling_from_rules
@@ -20,7 +21,7 @@ class OrbaxLora:
     """A Tunix/qwix LoRA checkpoint, validated against the base."""
 
     path: str
-    ckpt: object  # OrbaxCheckpoint
+    ckpt: OrbaxCheckpoint
     base: Base
     suffix: tuple[str, ...]
     scaling: dict[LoraModule, Scaling]
@@ -56,7 +57,8 @@ class OrbaxLora:
 
     def _start_batch(self, first: LoraModule) -> tuple:
         order = self._order
-        batch, total = [], 0
+        batch: list[LoraModule] = []
+        total = 0
         for mod in order[order.index(first):] if first in self.scaling else [first]:
             size = sum(int(np.prod(self.ckpt.leaves[p][0])) * np.dtype(self.ckpt.leaves[p][1]).itemsize
                        for p in self._leaves(mod))
@@ -83,7 +85,7 @@ class OrbaxLora:
 
 
 def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> OrbaxLora:
-    from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
+    from ckptbridge.io.orbax import resolve_checkpoint
 
     path = resolve_checkpoint(src, step)
     ckpt = OrbaxCheckpoint(path)
@@ -98,7 +100,8 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
     meta = ckpt.metadata
     leaves = dict(ckpt.leaves)
     if not any(is_lora_leaf(p) for p in leaves):
-        raise UnsupportedError(f"{path}: has no LoRA parameters (*_lora_a/*_lora_b); for full weights use orbax-to-safetensors")
+        raise UnsupportedError(f"{path}: has no LoRA parameters (*_lora_a/*_lora_b); for full weights use "
+                               "orbax-to-safetensors")
     if meta.family not in (None, base.spec.name):
         raise MismatchError(f"{path}: LoRA of family {meta.family!r}, but the base {base.path} is {base.spec.name!r}")
     suffix = ckpt.value_suffix

@@ -8,12 +8,13 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from ckptbridge import mapping
-from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.io.files import close_on_error, read_json_object
 from ckptbridge.io.hf import check_inside
 from ckptbridge.io.safetensors import SafetensorsFile, numpy_dtype
@@ -120,7 +121,9 @@ class AdapterConfig:
 
     def get(self, name: str, default: Any = None) -> Any:
         """A field or, for keys ckptbridge has no field for, the value the file gives."""
-        return getattr(self, name) if name in {f.name for f in dataclasses.fields(self)} else self.extra.get(name, default)
+        if name in {f.name for f in dataclasses.fields(self)}:
+            return getattr(self, name)
+        return self.extra.get(name, default)
 
     def rank_of(self, module: str) -> Any:
         return pattern_value(self.rank_pattern, module, self.r)
@@ -133,7 +136,8 @@ class AdapterConfig:
 
     def number_problems(self) -> list[str]:
         """What is wrong with r / lora_alpha (each must be a positive number)."""
-        return [f"{field} must be a positive number, found {v!r}" for field, v in (("r", self.r), ("lora_alpha", self.lora_alpha))
+        return [f"{field} must be a positive number, found {v!r}"
+                for field, v in (("r", self.r), ("lora_alpha", self.lora_alpha))
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0]
 
     def check_convertible(self, where: str) -> None:
@@ -229,7 +233,8 @@ class ParamLora:
     @staticmethod
     def expert_shape(entry: mapping.Entry) -> tuple[int, int]:
         """(out, in) of one expert's part of ``entry``."""
-        return entry.hf_shape if entry.rule.stack else entry.hf_shape[1:]
+        out, inp = entry.hf_shape[-2:]
+        return out, inp
 
     def expert_deltas(self, f: SafetensorsFile) -> Iterable[tuple[str, int, tuple[np.ndarray, np.ndarray]]]:
         """(HF key, first row of the key's tensor as a matrix, (lora_A, lora_B)) in PEFT layout, for
@@ -371,7 +376,8 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: AdapterConfig)
         r_m = cfg.rank_of(module)
         if int(r_m) != rank:
             raise MismatchError(
-                f"{weights}: {module} has rank {rank} but {ADAPTER_CONFIG} gives it r={r_m}; the config and weights disagree"
+                f"{weights}: {module} has rank {rank} but {ADAPTER_CONFIG} gives it r={r_m}; the config and "
+                "weights disagree"
             )
         scaling[module] = cfg.scaling(module, rank)
     ordered = {name: tuple(keys[name]) for name in known if name in keys}
@@ -394,7 +400,8 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: AdapterConfig)
         r_m = cfg.rank_of(name)
         if int(r_m) != rank:
             raise MismatchError(
-                f"{weights}: {name} has rank {rank} but {ADAPTER_CONFIG} gives it r={r_m}; the config and weights disagree")
+                f"{weights}: {name} has rank {rank} but {ADAPTER_CONFIG} gives it r={r_m}; the config and "
+                "weights disagree")
         params[name] = ParamLora(name, (ka, kb), entries, experts, cfg.scaling(name, rank))
     return PeftLora(src, f, base, cfg, ordered, {k: scaling[k] for k in ordered}, vllm_repeats, params)
 
@@ -407,9 +414,10 @@ def _param_entries(base: Base) -> dict[str, tuple[mapping.Entry, ...]]:
     out = {}
     for layer in base.cfg.layers:
         for param in base.spec.peft_params:
-            rows = tuple(by_layer_rule.get((layer.index, n)) for n in param.rows)
-            if None not in rows:
-                out[f"{base.module_prefix}layers.{layer.index}.{param.name}"] = rows
+            rows = [by_layer_rule.get((layer.index, n)) for n in param.rows]
+            found = tuple(r for r in rows if r is not None)
+            if len(found) == len(rows):
+                out[f"{base.module_prefix}layers.{layer.index}.{param.name}"] = found
     return out
 
 

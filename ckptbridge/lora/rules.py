@@ -34,6 +34,7 @@ def scaling_from_rules(mod: LoraModule, rules: list[dict], where: str) -> Scalin
             if re.fullmatch(rule["module_path"], mod.qwix_path):
                 return Scaling(int(rule["rank"]), float(rule["alpha"]))
         except (KeyError, TypeError, ValueError, re.error):
-            raise CorruptFileError(f"{where}: LoRA rule {rule!r} is malformed (needs module_path, rank, alpha)") from None
+            raise CorruptFileError(
+                f"{where}: LoRA rule {rule!r} is malformed (needs module_path, rank, alpha)") from None
     return None
 

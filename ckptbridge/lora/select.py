@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 
 def module_regex(names: Iterable[str], *, head: str, sep: str, layers_of: Callable[[str], set[str]]) -> str:

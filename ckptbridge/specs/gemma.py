@@ -21,7 +21,7 @@ from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_hea
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs import dfirst
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 
 R = TensorRule
 ATTENTION = (G.EMBED, G.FINAL_NORM, G.q("split_qkv"), G.kv("split_qkv"), G.qkv("fused_qkv"), G.O, *G.MLP)
@@ -54,7 +54,8 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     if model_type not in DEFAULTS:
         raise UnsupportedError(f"{where}: model_type {model_type!r} is not Gemma 1 or 2 (gemma, gemma2)")
     defaults = DEFAULTS[model_type]
-    get = lambda k: hf_config.get(k, defaults.get(k))  # noqa: E731
+    def get(k: str) -> Any:
+        return hf_config.get(k, defaults.get(k))
     if get("attention_bias"):
         raise UnsupportedError(f"{where}: attention_bias true is not supported (Gemma has no attention biases)")
     if not get("tie_word_embeddings"):
@@ -160,12 +161,12 @@ def _tiny(model_type: str, architecture: str, dims: dict, overrides: dict) -> di
             "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **overrides}
 
 
-def gemma1_tiny(model_type: str = "gemma", **overrides: Any) -> dict:
+def gemma1_tiny(**overrides: Any) -> dict:
     """HF config of a tiny random Gemma 1 (multi-query like 2B; ``num_key_value_heads=4``: 7B's N == K)."""
     return _tiny("gemma", "GemmaForCausalLM", TINY_DIMS, overrides)
 
 
-def gemma2_tiny(model_type: str = "gemma2", **overrides: Any) -> dict:
+def gemma2_tiny(**overrides: Any) -> dict:
     """HF config of a tiny random Gemma 2 (sliding and global layers alternate; softcaps 50 and 30)."""
     dims = {**TINY_DIMS, **GEMMA2_TINY}
     if "head_dim" in overrides:
@@ -175,14 +176,14 @@ def gemma2_tiny(model_type: str = "gemma2", **overrides: Any) -> dict:
 
 
 GEMMA = FamilySpec(
-    name="gemma", model_types=("gemma",), hf_classes={"gemma": "GemmaForCausalLM"}, rules=GEMMA1_RULES,
-    key_prefixes=("model.",), default_prefixes={"gemma": "model."}, parse_config=parse_config, axes=G.AXES,
-    model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX, tiny_config=gemma1_tiny,
+    name="gemma", types=(ModelType("gemma", "GemmaForCausalLM", "model.", gemma1_tiny),), rules=GEMMA1_RULES,
+    key_prefixes=("model.",), parse_config=parse_config, axes=G.AXES,
+    model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX,
     vllm_tiny=VLLM_DIMS,
 )
 GEMMA2 = FamilySpec(
-    name="gemma2", model_types=("gemma2",), hf_classes={"gemma2": "Gemma2ForCausalLM"}, rules=GEMMA2_RULES,
-    key_prefixes=("model.",), default_prefixes={"gemma2": "model."}, parse_config=parse_config, axes=G.AXES,
-    model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX, tiny_config=gemma2_tiny,
+    name="gemma2", types=(ModelType("gemma2", "Gemma2ForCausalLM", "model.", gemma2_tiny),), rules=GEMMA2_RULES,
+    key_prefixes=("model.",), parse_config=parse_config, axes=G.AXES,
+    model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX,
     vllm_tiny={**VLLM_DIMS, **GEMMA2_VLLM},
 )

@@ -17,12 +17,13 @@ it cannot express converts exactly, and builds a Tunix model only with ``allow_c
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs.base import FamilySpec, TensorRule, TunixModel
+from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 
 RULES: tuple[TensorRule, ...] = (
     G.EMBED, G.FINAL_NORM, G.q("split_qkv"), G.kv("split_qkv"), G.qkv("fused_qkv"), G.O, *G.QK_NORMS, *G.MLP,
@@ -60,7 +61,8 @@ def _text_config(hf_config: dict, where: str) -> tuple[dict, tuple[str, ...], bo
         return text, towers, bool(tie), f"{where} (text_config)"
     if model_type == "gemma3_text":
         return hf_config, (), bool(hf_config.get("tie_word_embeddings", True)), f"{where} (gemma3_text)"
-    raise UnsupportedError(f"{where}: model_type {model_type!r} is not Gemma 3; supported model types: gemma3, gemma3_text")
+    raise UnsupportedError(
+        f"{where}: model_type {model_type!r} is not Gemma 3; supported model types: gemma3, gemma3_text")
 
 
 def _rope(text: dict) -> dict:
@@ -79,7 +81,8 @@ def _rope(text: dict) -> dict:
 def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     """Resolve a Gemma 3 HF config (either model type) per layer."""
     text, towers, tie, w = _text_config(hf_config, where)
-    get = lambda k: text.get(k, DEFAULTS.get(k))  # noqa: E731
+    def get(k: str) -> Any:
+        return text.get(k, DEFAULTS.get(k))
     if get("attention_bias"):
         raise UnsupportedError(f"{w}: attention_bias true is not supported (Gemma 3 has no attention biases)")
     if not tie:
@@ -228,11 +231,12 @@ DEFAULT_PREFIXES = {"gemma3": "language_model.model.", "gemma3_text": "model."}
 
 GEMMA3 = FamilySpec(
     name="gemma3",
-    model_types=("gemma3_text", "gemma3"),
-    hf_classes={"gemma3": "Gemma3ForConditionalGeneration", "gemma3_text": "Gemma3ForCausalLM"},
+    types=(ModelType("gemma3_text", "Gemma3ForCausalLM", DEFAULT_PREFIXES["gemma3_text"],
+                     functools.partial(tiny_config, "gemma3_text")),
+           ModelType("gemma3", "Gemma3ForConditionalGeneration", DEFAULT_PREFIXES["gemma3"],
+                     functools.partial(tiny_config, "gemma3"))),
     rules=RULES,
     key_prefixes=("language_model.model.", "model.language_model.", "model."),
-    default_prefixes=DEFAULT_PREFIXES,
     module_prefixes={"language_model.model.": "model.language_model."},
     parse_config=parse_config,
     axes=("v", "d", "n", "h", "k", "f"),
@@ -242,6 +246,5 @@ GEMMA3 = FamilySpec(
     tied_keys=("lm_head.weight", "language_model.lm_head.weight"),
     tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config,
                      mismatches=mismatches, trace_tokens=4),
-    tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
 )

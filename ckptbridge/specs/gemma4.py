@@ -21,12 +21,13 @@ Defaults are transformers' own, so a config means here what it means to transfor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs.base import FamilySpec, PeftParam, TensorRule, TunixModel
+from ckptbridge.specs.base import FamilySpec, ModelType, PeftParam, TensorRule, TunixModel
 
 R = TensorRule
 
@@ -114,7 +115,8 @@ def _text_config(hf_config: dict, where: str) -> tuple[dict, tuple[str, ...], bo
         return text, towers, bool(tie), f"{where} (text_config)"
     if model_type == "gemma4_text":
         return hf_config, (), bool(hf_config.get("tie_word_embeddings", True)), f"{where} (gemma4_text)"
-    raise UnsupportedError(f"{where}: model_type {model_type!r} is not Gemma 4; supported model types: gemma4, gemma4_text")
+    raise UnsupportedError(
+        f"{where}: model_type {model_type!r} is not Gemma 4; supported model types: gemma4, gemma4_text")
 
 
 def _refuse_variants(get, w: str) -> None:
@@ -191,7 +193,8 @@ def _layers(text: dict, types: list[str], w: str, sizes: dict) -> tuple[list[Lay
 def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     """Resolve a Gemma 4 HF config (either model type, either dialect) per layer."""
     text, towers, tie, w = _text_config(hf_config, where)
-    get = lambda k: text.get(k, TEXT_DEFAULTS.get(k))  # noqa: E731
+    def get(k: str) -> Any:
+        return text.get(k, TEXT_DEFAULTS.get(k))
     _refuse_variants(get, w)
     num_layers = int_field(text, "num_hidden_layers", w, TEXT_DEFAULTS)
     num_heads = int_field(text, "num_attention_heads", w, TEXT_DEFAULTS)
@@ -430,11 +433,12 @@ DEFAULT_PREFIXES = {"gemma4": "model.language_model.", "gemma4_text": "model."}
 
 GEMMA4 = FamilySpec(
     name="gemma4",
-    model_types=("gemma4", "gemma4_text"),
-    hf_classes={"gemma4": "Gemma4ForConditionalGeneration", "gemma4_text": "Gemma4ForCausalLM"},
+    types=(ModelType("gemma4", "Gemma4ForConditionalGeneration", DEFAULT_PREFIXES["gemma4"],
+                     functools.partial(tiny_config, "gemma4")),
+           ModelType("gemma4_text", "Gemma4ForCausalLM", DEFAULT_PREFIXES["gemma4_text"],
+                     functools.partial(tiny_config, "gemma4_text"))),
     rules=RULES,
     key_prefixes=("model.language_model.", "model."),
-    default_prefixes=DEFAULT_PREFIXES,
     parse_config=parse_config,
     axes=("v", "d", "n", "h", "k", "f", "e", "m", "g", "l", "p", "u"),
     layer_flags=("k_eq_v", "kv_fused", "global", "moe", SHARED),
@@ -451,6 +455,5 @@ GEMMA4 = FamilySpec(
                  PeftParam("experts.down_proj", ("experts_down",))),
     tunix=TunixModel(module="tunix.models.gemma4.model", model_class="Gemma4", config=tunix_config,
                      mismatches=mismatches, trace_tokens=4),  # sliding layers need more than one token to trace
-    tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
 )

@@ -17,7 +17,7 @@ AXES = ("v", "d", "n", "h", "k", "f")
 
 EMBED = R("embed", ("embed_tokens.weight",), "v d", "embedder.input_embedding", "v d", scope="model")
 FINAL_NORM = R("final_norm", ("norm.weight",), "d", "final_norm.scale", "d", scope="model")
-O = R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d", lora="attn_vec_einsum")
+O = R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d", lora="attn_vec_einsum")  # noqa: E741
 QK_NORMS = (R("q_norm", ("self_attn.q_norm.weight",), "h", "attn._query_norm.scale", "h"),
             R("k_norm", ("self_attn.k_norm.weight",), "h", "attn._key_norm.scale", "h"))
 MLP = (R("gate", ("mlp.gate_proj.weight",), "f d", "mlp.gate_proj.kernel", "d f", lora="gate_proj"),

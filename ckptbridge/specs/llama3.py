@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.specs import dfirst
-from ckptbridge.specs.base import FamilySpec
+from ckptbridge.specs.base import FamilySpec, ModelType
 
 DENSE = dfirst.Dense("llama3", "llama", {
     "vocab_size": 32_000, "hidden_size": 4096, "intermediate_size": 11_008, "num_hidden_layers": 32,
@@ -34,9 +34,9 @@ tiny_config = dfirst.tiny_config("llama", "LlamaForCausalLM", TINY_DIMS, rope_th
 
 
 LLAMA3 = FamilySpec(
-    name="llama3", model_types=("llama",), hf_classes={"llama": "LlamaForCausalLM"},
-    rules=dfirst.rules(), key_prefixes=("model.",), default_prefixes={"llama": "model."},
+    name="llama3", types=(ModelType("llama", "LlamaForCausalLM", "model.", tiny_config),),
+    rules=dfirst.rules(), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
     tunix=TUNIX,
-    tiny_config=tiny_config, vllm_tiny=VLLM_DIMS,
+    vllm_tiny=VLLM_DIMS,
 )

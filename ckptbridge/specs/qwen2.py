@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.specs import dfirst
-from ckptbridge.specs.base import FamilySpec
+from ckptbridge.specs.base import FamilySpec, ModelType
 
 DENSE = dfirst.Dense("qwen2", "qwen2", {
     "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
@@ -32,9 +32,9 @@ tiny_config = dfirst.tiny_config("qwen2", "Qwen2ForCausalLM", TINY_DIMS, rope_th
 
 
 QWEN2 = FamilySpec(
-    name="qwen2", model_types=("qwen2",), hf_classes={"qwen2": "Qwen2ForCausalLM"},
-    rules=dfirst.rules(qkv_bias=True), key_prefixes=("model.",), default_prefixes={"qwen2": "model."},
+    name="qwen2", types=(ModelType("qwen2", "Qwen2ForCausalLM", "model.", tiny_config),),
+    rules=dfirst.rules(qkv_bias=True), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
     tunix=TUNIX,
-    tiny_config=tiny_config, vllm_tiny=VLLM_DIMS,
+    vllm_tiny=VLLM_DIMS,
 )

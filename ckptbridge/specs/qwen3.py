@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptbridge.config import ModelConfig
 from ckptbridge.specs import dfirst
-from ckptbridge.specs.base import FamilySpec
+from ckptbridge.specs.base import FamilySpec, ModelType
 
 RULES = dfirst.rules(qk_norm=True, moe=True)
 REFUSE = (("attention_bias", "Qwen 3 and Tunix have no q/k/v biases"),)
@@ -68,24 +68,18 @@ TINY = {"qwen3": dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope
                                         rope_theta=TUNIX_ROPE_THETA)}
 
 
-def tiny_config(model_type: str = "qwen3", **overrides: Any) -> dict:
-    return TINY[model_type](**overrides)
-
-
 QWEN3 = FamilySpec(
     name="qwen3",
-    model_types=("qwen3", "qwen3_moe"),
-    hf_classes={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
+    types=(ModelType("qwen3", "Qwen3ForCausalLM", "model.", TINY["qwen3"]),
+           ModelType("qwen3_moe", "Qwen3MoeForCausalLM", "model.", TINY["qwen3_moe"])),
     rules=RULES,
     key_prefixes=("model.",),
-    default_prefixes={"qwen3": "model.", "qwen3_moe": "model."},
     parse_config=parse_config,
     axes=(*dfirst.AXES, "e", "m"),
     layer_flags=("moe", "dense_mlp"),
     model_flags=("untied_head",),
     tied_keys=("lm_head.weight",),
     tunix=TUNIX,
-    tiny_config=tiny_config,
     vllm_tiny=VLLM_DIMS,
     peft_params=dfirst.EXPERT_PARAMS,
 )

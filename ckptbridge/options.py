@@ -1,0 +1,55 @@
+"""The verbs' choices and defaults, each defined once: the library's parameters default to
+them and the CLI's flags show them. Light: the CLI imports it for ``--help``."""
+
+from __future__ import annotations
+
+from ckptbridge.errors import ConfigError
+
+# Tensors larger than this are converted in row blocks of at most this size (one Orbax chunk each).
+DEFAULT_CHUNK_SIZE = "128MiB"
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # largest safetensors shard written
+TARGETS = ("hf", "vllm")  # where an exported or checked adapter runs: transformers/PEFT, or vLLM
+KV_MODES = ("exact", "svd")  # PEFT k/v factors with different A's -> one qwix A: stacked, or best shared
+LOGITS_TOLERANCE = 1e-5  # largest relative L2 of transformers vs Tunix logits (float32) that passes
+EXACT_TOLERANCE = 1e-4  # transformers+PEFT vs Tunix+qwix, float32
+LIVE_TOLERANCE = 1e-6  # below this relative change of the logits, an adapter does nothing
+SERVED_TOKENS = 16  # greedy tokens compared by served_parity
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``123`` -> 123 (ValueError otherwise)."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size {text!r} must be positive")
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    num, mult = s, 1
+    for unit, factor in units.items():
+        if s.endswith(unit):
+            num, mult = s[: -len(unit)], factor
+            break
+    try:
+        value = int(float(num) * mult)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (e.g. 5GB, 500MiB)") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def size(name: str, value: str | int) -> int:
+    """A size parameter of the library (bytes, or text such as ``"5GB"``) in bytes; a ConfigError
+    naming the parameter when it is not one."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a ConfigError naming the parameter."""
+    if value not in choices:
+        raise ConfigError(f"{name} {value!r}: choose one of {', '.join(choices)}")
+    return value

@@ -1,0 +1,7 @@
+"""``python -m serving``: see :mod:`serving.cli`."""
+
+import sys
+
+from serving.cli import main
+
+sys.exit(main())
