@@ -109,12 +109,13 @@ def _recorded_base_config(name: str | None) -> tuple[dict | None, str]:
         if not isinstance(cached, str):
             return None, "neither a local directory nor in the Hugging Face cache"
         path = cached
+    from ckptbridge.errors import CkptBridgeError
+    from ckptbridge.io.files import read_json_object
+
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None, f"{path} is not readable JSON"
-    return (cfg, path) if isinstance(cfg, dict) else (None, f"{path} is not a JSON object")
+        return read_json_object(path, "the shapes are checked against BASE instead"), path
+    except (CkptBridgeError, OSError) as e:
+        return None, str(e)
 
 
 def _check_recorded_base(lint: Lint, base: Base, recorded: str | None, where: str) -> None:
@@ -480,9 +481,14 @@ class AdapterReport(Report):
 def verify_adapter(adapter: str, base: str, *, target: str = "hf", ids: list[int] | None = None,
                    prompt: str | None = None, step: int | None = None, alpha: float | None = None,
                    lint_only: bool = False, exact: bool = True, live_tolerance: float = LIVE_TOLERANCE,
-                   tolerance: float = EXACT_TOLERANCE) -> AdapterReport:
+                   tolerance: float = EXACT_TOLERANCE, revision: str | None = None) -> AdapterReport:
     """lint, then live and exact (see the module doc). ``ok`` is False when lint found an error,
-    the adapter does not move the logits, or the two frameworks disagree above ``tolerance``."""
+    the adapter does not move the logits, or the two frameworks disagree above ``tolerance``.
+    ``base`` and ``adapter`` may be Hub ids (``revision``: the base's branch, tag or commit)."""
+    from ckptbridge import hub
+
+    base = hub.local(base, hub.MODEL, revision=revision, what="base model")
+    adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
     lint = lint_adapter(adapter, base, target=target, step=step, alpha=alpha)
     report = functools.partial(AdapterReport, adapter, base, lint.to_dict())
     if lint_only:

@@ -103,7 +103,7 @@ def _step_of(ad: lora.OrbaxLora) -> int | None:
 
 def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = None, alpha: float | None = None,
                           target: str = "hf", base_id: str | None = None, overwrite: bool = False,
-                          progress: bool | None = None) -> PeftExportReport:
+                          progress: bool | None = None, revision: str | None = None) -> PeftExportReport:
     """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``
     + a model card ``README.md``).
 
@@ -115,7 +115,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     t0 = time.perf_counter()
     options.choice("target", target, TARGETS)
     model_card.check_repo_id("base_id", base_id)
-    base = hub.local(base, hub.CONFIG, what="base model")
+    base = hub.local(base, hub.CONFIG, revision=revision, what="base model")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
     base_id = model_card.hub_id(b.path, base_id)
@@ -284,15 +284,18 @@ def _module_factors(ad: lora.PeftLora, mod: LoraModule,
 
 
 def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", step: int = 0,
-                          overwrite: bool = False, progress: bool | None = None) -> OrbaxLoraReport:
+                          overwrite: bool = False, progress: bool | None = None,
+                          revision: str | None = None) -> OrbaxLoraReport:
     """PEFT adapter -> Tunix checkpoint root ``DST/<step>/model_params`` with the qwix rules that
-    rebuild the matching LoRA model in the step's custom metadata."""
+    rebuild the matching LoRA model in the step's custom metadata. ``src`` and ``base`` may be Hub
+    ids (``revision``: the base's branch, tag or commit)."""
     t0 = time.perf_counter()
     deps.require("orbax")
     options.choice("kv", kv, KV_MODES)
     if step < 0:
         raise ConfigError(f"step {step}: must be >= 0")
-    src, base = hub.local(src, hub.ADAPTER, what="adapter"), hub.local(base, hub.CONFIG, what="base model")
+    base = hub.local(base, hub.CONFIG, revision=revision, what="base model")
+    src = hub.local(src, hub.ADAPTER, what="adapter")
     check_destination(dst, [src, base], overwrite)
     b = open_base(base)
     mismatch = specs.note_mismatch(b.cfg)

@@ -82,25 +82,12 @@ def _size(args, name: str) -> int:
         raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
 
 
-def _hub_refs(sp, *refs: tuple[str, str, str]) -> None:
-    """Arguments of ``sp`` that may be Hub ids, as (attribute, file set of :mod:`ckptbridge.hub`,
-    what); ``--revision`` applies to the first."""
-    first = refs[0][0].replace("_", "-")
+def _revision_option(sp, first: str) -> None:
+    """``--revision`` of a verb whose inputs may be Hub ids; the library resolves them (the first,
+    ``first``, at this revision)."""
     sp.add_argument("--revision", metavar="REV",
-                    help=f"branch, tag or commit of {first.upper()} when it is a Hub id (default: main; ORG/NAME@REV "
+                    help=f"branch, tag or commit of {first} when it is a Hub id (default: main; ORG/NAME@REV "
                     "works for any Hub id)")
-    sp.set_defaults(hub_refs=refs)
-
-
-def _resolve_hub_refs(args) -> None:
-    """Hub ids among the arguments -> local snapshot directories (downloaded where needed)."""
-    from ckptbridge import hub
-
-    for i, (attr, patterns, what) in enumerate(getattr(args, "hub_refs", ())):
-        value = getattr(args, attr)
-        if value is not None:
-            setattr(args, attr, hub.local(value, getattr(hub, patterns), revision=args.revision if i == 0 else None,
-                                          what=what))
 
 
 def cmd_s2o(args) -> int:
@@ -109,7 +96,7 @@ def cmd_s2o(args) -> int:
     _emit(args, convert_safetensors_to_orbax(args.src, args.dst, overwrite=args.overwrite,
                                              skip_multimodal=args.skip_multimodal, tunix_version=args.tunix_version,
                                              chunk_size=_size(args, "chunk_size"), compression=not args.no_compression,
-                                             progress=_progress(args)))
+                                             progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -128,7 +115,7 @@ def cmd_o2p(args) -> int:
 
     _emit(args, convert_orbax_to_peft(args.src, args.dst, base=args.base, step=args.step, alpha=args.alpha,
                                       target=args.target, base_id=args.base_id, overwrite=args.overwrite,
-                                      progress=_progress(args)))
+                                      progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -136,7 +123,7 @@ def cmd_p2o(args) -> int:
     from ckptbridge.adapters import convert_peft_to_orbax
 
     _emit(args, convert_peft_to_orbax(args.src, args.dst, base=args.base, kv=args.kv, step=args.step,
-                                      overwrite=args.overwrite, progress=_progress(args)))
+                                      overwrite=args.overwrite, progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -145,14 +132,14 @@ def cmd_merge(args) -> int:
 
     _emit(args, merge_lora(args.base, args.adapter, args.dst, step=args.step, alpha=args.alpha,
                            max_shard_size=_size(args, "max_shard_size"), base_id=args.base_id, overwrite=args.overwrite,
-                           progress=_progress(args)))
+                           progress=_progress(args), revision=args.revision))
     return 0
 
 
 def cmd_inspect(args) -> int:
     from ckptbridge.inspect import inspect_path
 
-    _emit(args, inspect_path(args.path, step=args.step))
+    _emit(args, inspect_path(args.path, step=args.step, revision=args.revision))
     return 0
 
 
@@ -160,7 +147,7 @@ def cmd_verify_logits(args) -> int:
     from ckptbridge.verify import logits_parity
 
     report = logits_parity(args.hf_dir, args.tunix, seq_len=args.seq_len, tolerance=args.tolerance,
-                           allow_config_mismatch=args.allow_config_mismatch)
+                           allow_config_mismatch=args.allow_config_mismatch, revision=args.revision)
     _emit(args, report)
     return 0 if report.ok else 6
 
@@ -168,7 +155,7 @@ def cmd_verify_logits(args) -> int:
 def cmd_verify_tensors(args) -> int:
     from ckptbridge.verify import compare_tensors
 
-    report = compare_tensors(args.a, args.b)
+    report = compare_tensors(args.a, args.b, revision=args.revision)
     _emit(args, report)
     return 0 if report.identical else 6
 
@@ -180,7 +167,7 @@ def cmd_verify_adapter(args) -> int:
     report = verify_adapter(args.adapter, args.base, target=args.target,
                             ids=parse_ids(args.ids) if args.ids else None, prompt=args.prompt, step=args.step,
                             alpha=args.alpha, lint_only=args.lint_only, exact=not args.no_exact,
-                            live_tolerance=args.live_tolerance, tolerance=args.tolerance)
+                            live_tolerance=args.live_tolerance, tolerance=args.tolerance, revision=args.revision)
     _emit(args, report)
     return 0 if report.ok else 6
 
@@ -276,7 +263,7 @@ def add_s2o(csub) -> None:
                            "chunk each, as Orbax stores them)")
     sp.add_argument("--no-compression", action="store_true",
                     help="store the chunks without zstd: faster to write and read, larger on disk")
-    _hub_refs(sp, ("src", "MODEL", "model"))
+    _revision_option(sp, "SRC")
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_s2o)  # huge pages: large TensorStore buffers
 
@@ -317,7 +304,7 @@ def add_o2p(csub) -> None:
     _target_option(sp, "hf: for transformers/PEFT (default); vllm: also repeat k_proj LoRA as v_proj on k_eq_v "
                        "layers and make rank/alpha uniform")
     _base_id_option(sp)
-    _hub_refs(sp, ("base", "CONFIG", "base model"))
+    _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(extra="orbax", func=cmd_o2p)
 
@@ -337,7 +324,7 @@ def add_p2o(csub) -> None:
                     help="k/v with different lora_A: exact (default) stacks them at rank r_k + r_v; svd keeps "
                     "rank r with the best shared A and reports the error")
     _step_option(sp, "step number to write (default 0)", default=0)
-    _hub_refs(sp, ("base", "CONFIG", "base model"), ("src", "ADAPTER", "adapter"))
+    _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(extra="orbax", func=cmd_p2o)
 
@@ -355,7 +342,7 @@ def add_merge(sub) -> None:
     _orbax_lora_options(sp)
     _max_shard_size_option(sp)
     _base_id_option(sp)
-    _hub_refs(sp, ("base", "MODEL", "base model"), ("adapter", "ADAPTER", "adapter"))
+    _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(func=cmd_merge)
 
@@ -368,7 +355,7 @@ def add_inspect(sub) -> None:
                     "a .safetensors file, or a Hub id")
     _step_option(sp)
     _json_option(sp)
-    _hub_refs(sp, ("path", "MODEL", "model"))
+    _revision_option(sp, "PATH")
     sp.set_defaults(func=cmd_inspect)
 
 
@@ -385,7 +372,7 @@ def add_verify_logits(vsub) -> None:
                     help="build the Tunix model even where it computes something else than the HF config says "
                     "(e.g. a RoPE theta Tunix ignores) and measure the gap")
     _json_option(sp)
-    _hub_refs(sp, ("hf_dir", "MODEL", "model"))
+    _revision_option(sp, "HF_DIR")
     sp.set_defaults(extra="verify", func=cmd_verify_logits)
 
 
@@ -394,7 +381,7 @@ def add_verify_tensors(vsub) -> None:
     sp.add_argument("a", metavar="A", help="HF model directory or Hub id")
     sp.add_argument("b", metavar="B", help="HF model directory or Hub id")
     _json_option(sp)
-    _hub_refs(sp, ("a", "MODEL", "model"), ("b", "MODEL", "model"))
+    _revision_option(sp, "A")
     sp.set_defaults(func=cmd_verify_tensors)
 
 
@@ -420,7 +407,7 @@ def add_verify_adapter(vsub) -> None:
     sp.add_argument("--live-tolerance", type=float, default=LIVE_TOLERANCE,
                     help=f"smallest relative change of the logits that counts as live (default {LIVE_TOLERANCE:g})")
     _json_option(sp)
-    _hub_refs(sp, ("base", "MODEL", "base model"), ("adapter", "ADAPTER", "adapter"))
+    _revision_option(sp, "BASE")
     sp.set_defaults(func=cmd_verify_adapter)
 
 
@@ -505,7 +492,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.func is not cmd_env:  # env reports what is wrong instead
             deps.require(extra)
-        _resolve_hub_refs(args)
         return args.func(args)
     except CkptBridgeError as e:
         print(f"ckptbridge: error: {e}", file=sys.stderr)

@@ -9,12 +9,12 @@ families (``ckptbridge/specs/``); :func:`ckptbridge.specs.parse_config` picks on
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError
+from ckptbridge.errors import ConfigError, InputNotFoundError
+from ckptbridge.io.files import read_json_object
 
 # HF layer_types values
 SLIDING = "sliding_attention"
@@ -48,6 +48,16 @@ class LayerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP as an HF config describes it (in a family's extras)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # decoder layers with a dense MLP instead
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The text model of an HF config, resolved per layer.
 
@@ -61,8 +71,10 @@ class ModelConfig:
       key_prefix: the HF key prefix transformers writes for this model type.
       towers: configured non-text towers ("vision", "audio").
       sizes: model-level axis sizes; flags: model-level flags (both the family's vocabulary).
-      extras: the family's own settings (rope, softcaps, config dialect, ...).
+      extras: the family's own settings (rope, softcaps, experts, ...): a frozen dataclass defined by
+        the family's spec module, read only there.
       hf_config: the HF config itself.
+      dialect: which of the family's config dialects the HF config is written in (None: it has one).
     """
 
     family: str
@@ -79,8 +91,9 @@ class ModelConfig:
     towers: tuple[str, ...]
     sizes: Mapping[str, int]
     flags: Mapping[str, bool]
-    extras: Mapping[str, Any]
+    extras: Any
     hf_config: dict
+    dialect: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -108,16 +121,10 @@ class ModelConfig:
 
 def read_config_file(path: str) -> dict:
     """Read a config.json, with one-line errors for a missing or malformed file."""
+    missing = "no such file; an HF model directory needs its config.json"
     if not os.path.isfile(path):
-        raise InputNotFoundError(f"{path}: no such file; an HF model directory needs its config.json")
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"{path}: not valid JSON ({e}); restore the model's config.json") from None
-    if not isinstance(data, dict):
-        raise CorruptFileError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
+        raise InputNotFoundError(f"{path}: {missing}")
+    return read_json_object(path, "restore the model's config.json", missing=missing)
 
 
 def int_field(cfg: Mapping, key: str, where: str, defaults: Mapping | None = None, minimum: int = 1) -> int:

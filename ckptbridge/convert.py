@@ -39,7 +39,7 @@ __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open
 def _metadata(source: HFSource, kind: str, assets: list[str], tunix_version: str | None) -> dict:
     return {KEY: Metadata(
         kind=kind, family=source.spec.name, hf_config=source.model.config, key_prefix=source.prefix,
-        config_dialect=source.cfg.extras.get("dialect"), towers_dropped=len(source.tower_keys), assets=assets,
+        config_dialect=source.cfg.dialect, towers_dropped=len(source.tower_keys), assets=assets,
         source=os.path.abspath(source.model.path), tunix_version=tunix_version,
     ).to_json()}
 
@@ -112,7 +112,7 @@ def _leaf(source: HFSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.Lazy
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
                                  skip_multimodal: bool = False, tunix_version: str | None = None,
                                  chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
-                                 progress: bool | None = None) -> SafetensorsToOrbaxReport:
+                                 progress: bool | None = None, revision: str | None = None) -> SafetensorsToOrbaxReport:
     """HF model directory -> Orbax checkpoint of the Tunix nnx state (nested dict, source dtypes).
 
     The tree has the layouts of Tunix ``tunix_version`` (default: the installed google-tunix;
@@ -120,8 +120,8 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     checkpoint's metadata. A tensor larger than ``chunk_size`` is read, rearranged and written
     in row blocks of at most that size, each one chunk of the stored array, so memory stays a
     few chunks however large the tensor; smaller ones are one chunk each, as Orbax writes them.
-    ``compression=False`` stores the chunks without zstd (faster, larger). Returns a report
-    dict (tensors, bytes, seconds, key prefix, layer kinds).
+    ``compression=False`` stores the chunks without zstd (faster, larger). ``src`` may be a Hub
+    id (``revision``: its branch, tag or commit).
     """
     t0 = time.perf_counter()
     deps.require("orbax")
@@ -132,7 +132,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
         except ValueError as e:
             raise ConfigError(f"--tunix-version: {e}") from None
     target = tunix_version or installed_tunix_version()
-    src = hub.local(src, hub.MODEL)
+    src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
         mismatch = specs.note_mismatch(source.cfg)

@@ -137,7 +137,7 @@ def _inspect_hf(path: str) -> HFModelInfo:
     except Exception as e:  # report, do not fail: inspect is for looking at broken things too
         problem = str(e)
     return HFModelInfo(kind="hf-model", path=path, family=cfg.family, model_type=cfg.model_type,
-                       config_dialect=cfg.extras.get("dialect"), layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
+                       config_dialect=cfg.dialect, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
                        dtypes=dict(dtypes), parameters=params, bytes=nbytes, files=files, towers=list(cfg.towers),
                        tunix_mismatch=get_family(cfg.family).config_mismatches(cfg), key_prefix=prefix,
                        valid=problem is None, problem=problem)
@@ -188,10 +188,13 @@ def _inspect_peft(path: str) -> PeftInfo:
                     modules_to_save=cfg.modules_to_save or None, **weights)
 
 
-def inspect_path(path: str, step: int | None = None) -> Info:
+def inspect_path(path: str, step: int | None = None, *, revision: str | None = None) -> Info:
     """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and summarise it; an
-    Orbax checkpoint may be on Cloud Storage (``gs://``)."""
+    Orbax checkpoint may be on Cloud Storage (``gs://``), a model a Hub id (at ``revision``)."""
+    from ckptbridge import hub
     from ckptbridge.io import storage
+
+    path = hub.local(path, hub.MODEL, revision=revision)
 
     if storage.is_remote(path):
         return _inspect_orbax(path, step)

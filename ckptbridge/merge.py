@@ -128,15 +128,17 @@ class MergeReport(Report):
 
 def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, alpha: float | None = None,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base_id: str | None = None,
-               overwrite: bool = False, progress: bool | None = None) -> MergeReport:
+               overwrite: bool = False, progress: bool | None = None, revision: str | None = None) -> MergeReport:
     """Merge ``adapter`` (a PEFT directory or a Tunix/qwix Orbax LoRA checkpoint) into the HF
     model ``base`` and write the merged model to ``dst`` (sharded safetensors + index,
     config.json, the base's non-weight files, and a model card naming the base, its Hub id
-    ``base_id`` or the one found from its path or config). Returns a report."""
+    ``base_id`` or the one found from its path or config). ``base`` and ``adapter`` may be Hub ids
+    (``revision``: the base's branch, tag or commit)."""
     t0 = time.perf_counter()
     shard_bytes = options.size("max_shard_size", max_shard_size)
     model_card.check_repo_id("base_id", base_id)
-    base, adapter = hub.local(base, hub.MODEL, what="base model"), hub.local(adapter, hub.ADAPTER, what="adapter")
+    base = hub.local(base, hub.MODEL, revision=revision, what="base model")
+    adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
     check_destination(dst, [base, adapter], overwrite)
     b = lora.open_base(base)
     with HFModelDir(base) as model, lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad, \

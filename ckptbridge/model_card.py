@@ -42,10 +42,12 @@ def hub_id(path: str, explicit: str | None = None) -> str | None:
     m = _CACHE_SNAPSHOT.search(os.path.abspath(path).replace(os.sep, "/"))
     if m:
         return m.group(1).replace("--", "/")
+    from ckptbridge.errors import CkptBridgeError
+    from ckptbridge.io.files import read_json_object
+
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            name = json.load(f).get("_name_or_path")
-    except (OSError, ValueError, AttributeError):
+        name = read_json_object(os.path.join(path, "config.json"), "").get("_name_or_path")
+    except (CkptBridgeError, OSError):
         return None
     if isinstance(name, str) and is_repo_id(name) and "/" in name and not os.path.exists(name):
         return name

@@ -21,6 +21,7 @@ from ckptbridge import mapping
 from ckptbridge.config import ModelConfig, read_config_file
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
+from ckptbridge.io.files import close_on_error
 from ckptbridge.io.hf import HFModelDir
 from ckptbridge.io.safetensors import numpy_dtype
 from ckptbridge.metadata import Metadata
@@ -105,12 +106,8 @@ class HFSource:
 
 def open_hf_source(src: str, *, skip_multimodal: bool = False) -> HFSource:
     """Open and fully validate an HF model directory (keys, shapes, dtypes) without reading weights."""
-    model = HFModelDir(src)
-    try:
+    with close_on_error(HFModelDir(src)) as model:
         return _validate_hf(model, skip_multimodal)
-    except BaseException:
-        model.close()
-        raise
 
 
 def find_prefix(spec: FamilySpec, keys) -> str | None:
@@ -269,12 +266,8 @@ def _config_from_option(config: str) -> tuple[dict, str, str]:
 def open_orbax_source(src: str, *, config: str | None = None, step: int | None = None) -> OrbaxSource:
     """Open an Orbax weights checkpoint and validate its tree against the spec (no leaf is read)."""
     path = orbax_io.resolve_checkpoint(src, step)
-    ckpt = orbax_io.OrbaxCheckpoint(path)
-    try:
+    with close_on_error(orbax_io.OrbaxCheckpoint(path)) as ckpt:
         return _validate_orbax(ckpt, config)
-    except BaseException:
-        ckpt.close()
-        raise
 
 
 def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> OrbaxSource:

@@ -98,8 +98,11 @@ class ServedReport(Report):
                 "BASE --target vllm`")
 
 
-def compare_tensors(a: str, b: str) -> TensorsReport:
+def compare_tensors(a: str, b: str, *, revision: str | None = None) -> TensorsReport:
     """Compare two HF model directories tensor by tensor: key sets, dtypes, shapes and bytes."""
+    from ckptbridge import hub
+
+    a, b = hub.local(a, hub.MODEL, revision=revision), hub.local(b, hub.MODEL)
     with HFModelDir(a) as da, HFModelDir(b) as db:
         ka, kb = set(da.keys()), set(db.keys())
         differing = []
@@ -186,14 +189,17 @@ def tunix_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | None = None,
                   batch: int = 2, seed: int = 0, allow_config_mismatch: bool = False,
-                  tolerance: float = LOGITS_TOLERANCE) -> LogitsReport:
+                  tolerance: float = LOGITS_TOLERANCE, revision: str | None = None) -> LogitsReport:
     """Run transformers on ``hf_dir`` and Tunix on ``tunix_src`` (an HF directory or an Orbax
     checkpoint; default ``hf_dir``) on the same random tokens; report relative L2 and argmax
-    (``ok``: relative L2 within ``tolerance`` and every argmax equal)."""
+    (``ok``: relative L2 within ``tolerance`` and every argmax equal). ``hf_dir`` may be a Hub id
+    (at ``revision``)."""
     import jax
 
+    from ckptbridge import hub
     from ckptbridge.tunix_model import load_tunix_model
 
+    hf_dir = hub.local(hf_dir, hub.MODEL, revision=revision)
     jax.config.update("jax_default_matmul_precision", "highest")
     config_path = os.path.join(hf_dir, "config.json")
     cfg = parse_config(read_config_file(config_path), config_path)

@@ -57,7 +57,7 @@ def test_per_layer_config_dialect_equals_legacy(tmp_path, k_eq_v, wrap):
     assert "global_head_dim" not in inner and "per_layer_config" in inner
     a, b = parse_config(legacy), parse_config(new)
     assert a.layers == b.layers
-    assert (a.extras["dialect"], b.extras["dialect"]) == ("legacy", "per_layer_config")
+    assert (a.dialect, b.dialect) == ("legacy", "per_layer_config")
 
 
 def test_defaults_follow_transformers():

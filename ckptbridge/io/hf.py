@@ -9,6 +9,7 @@ import shutil
 from ckptbridge.config import read_config_file
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.io import storage
+from ckptbridge.io.files import close_on_error, read_json_object
 from ckptbridge.io.safetensors import SafetensorsFile, TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,6 +55,16 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
 
 
+def read_index(index_path: str, fix: str = "re-download it") -> dict[str, str]:
+    """The ``weight_map`` (tensor key -> shard file) of a safetensors index."""
+    index = read_json_object(index_path, fix)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptFileError(f"{index_path}: not a valid safetensors index (needs a JSON object with weight_map); "
+                               f"{fix}")
+    return weight_map
+
+
 class HFModelDir:
     """A validated HF model directory with lazy access to every tensor."""
 
@@ -67,28 +78,16 @@ class HFModelDir:
         self.config = read_config_file(check_inside(path, os.path.join(path, "config.json")))
         self.files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
-        try:
+        with close_on_error(self):
             self._open()
-        except BaseException:
-            self.close()
-            raise
 
     def _open(self) -> None:
         index_path = os.path.join(self.path, INDEX_NAME)
         single = os.path.join(self.path, SINGLE_NAME)
         if os.path.isfile(index_path):
             check_inside(self.path, index_path)
-            try:
-                with open(index_path, "rb") as f:
-                    index = json.loads(f.read().decode("utf-8"))
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-                raise CorruptFileError(
-                    f"{index_path}: not a valid safetensors index (needs a JSON object with weight_map); "
-                    "regenerate it or remove it if the model is a single model.safetensors"
-                ) from None
+            weight_map = read_index(index_path, "regenerate it or remove it if the model is a single "
+                                                "model.safetensors")
             for key, name in weight_map.items():
                 file_path = safe_member(self.path, name, index_path)
                 if name not in self.files:

@@ -25,7 +25,6 @@ through Orbax, a few leaves at a time with ``partial_restore`` (tests/test_orbax
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 import os
@@ -483,10 +482,14 @@ def nest(flat: Mapping[Path, Any]) -> dict:
     return root
 
 
-def _read_json(path: str):
+def _read_json(path: str) -> dict | None:
+    """The JSON object in ``path`` (local or remote), None when it is missing or not one."""
+    from ckptbridge.errors import CkptBridgeError
+    from ckptbridge.io.files import read_json_object
+
     try:
-        return json.loads(storage.read_bytes(path).decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json_object(path, "", read=storage.read_bytes)
+    except (CkptBridgeError, OSError):
         return None
 
 
@@ -519,8 +522,8 @@ class _TensorstoreLeaves:
 
     @classmethod
     def open(cls, path: str) -> _TensorstoreLeaves | None:
-        meta = _read_json(storage.join(path, "_METADATA"))
-        tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+        meta = _read_json(storage.join(path, "_METADATA")) or {}
+        tree = meta.get("tree_metadata")
         if not isinstance(tree, dict) or not tree:
             return None
         names: dict[Path, str] = {}

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
+from ckptbridge.io.files import close_on_error
 from ckptbridge.options import parse_size  # noqa: F401  (sizes of the writers)
 
 # safetensors dtype code -> (numpy type name, or ml_dtypes type name, item size)
@@ -103,12 +104,8 @@ class SafetensorsFile:
         if not os.path.isfile(path):
             raise InputNotFoundError(f"{path}: no such file")
         size = os.path.getsize(path)
-        self._file = open(path, "rb")
-        try:
+        with close_on_error(open(path, "rb")) as self._file:
             self.infos, self.metadata = self._read_header(size)
-        except BaseException:
-            self._file.close()
-            raise
 
     def _read_header(self, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         p = self.path

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from ckptbridge.config import ModelConfig, read_config_file
-from ckptbridge.errors import CorruptFileError, InputNotFoundError
-from ckptbridge.io.hf import INDEX_NAME
+from ckptbridge.errors import InputNotFoundError
+from ckptbridge.io.hf import INDEX_NAME, read_index
 from ckptbridge.lora.modules import LoraModule, lora_modules
 from ckptbridge.sources import find_prefix, open_hf_source
 from ckptbridge.specs import FamilySpec, family_for
@@ -62,17 +61,6 @@ class Base:
         return f"{module}.weight"
 
 
-def _index_keys(index_path: str) -> list[str]:
-    try:
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CorruptFileError(f"{index_path}: not a safetensors index ({e}); re-download it") from None
-    return list(weight_map)
-
-
 def open_base(path: str) -> Base:
     """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
     if not os.path.isdir(path):
@@ -86,7 +74,7 @@ def open_base(path: str) -> Base:
         with open_hf_source(path, skip_multimodal=True) as source:
             prefix = source.prefix
     elif os.path.isfile(os.path.join(path, INDEX_NAME)):  # config and index only (a Hub base whose weights stay there)
-        prefix = find_prefix(spec, _index_keys(os.path.join(path, INDEX_NAME))) or prefix
+        prefix = find_prefix(spec, list(read_index(os.path.join(path, INDEX_NAME)))) or prefix
     module_prefix = spec.module_prefix(prefix)
     return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, module_prefix), module_prefix)
 

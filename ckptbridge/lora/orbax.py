@@ -8,6 +8,7 @@ import numpy as np
 
 from ckptbridge import mapping
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
+from ckptbridge.io.files import close_on_error
 from ckptbridge.io.orbax import OrbaxCheckpoint
 from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import LoraModule, Scaling
@@ -88,12 +89,8 @@ def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: flo
     from ckptbridge.io.orbax import resolve_checkpoint
 
     path = resolve_checkpoint(src, step)
-    ckpt = OrbaxCheckpoint(path)
-    try:
+    with close_on_error(OrbaxCheckpoint(path)) as ckpt:
         return _validate_orbax_lora(path, ckpt, base, alpha)
-    except BaseException:
-        ckpt.close()
-        raise
 
 
 def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> OrbaxLora:

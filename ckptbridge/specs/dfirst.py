@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
+from ckptbridge.config import FULL, SLIDING, Experts, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import UnsupportedError
 from ckptbridge.specs.base import PeftParam, TensorRule, TunixModel
 
@@ -88,6 +88,15 @@ def tiny_config(model_type: str, hf_class: str, dims: dict, *, rope_theta: float
 
 
 @dataclasses.dataclass(frozen=True)
+class Extras:
+    """A D-first family's own settings (``ModelConfig.extras``)."""
+
+    rope: dict  # rope_parameters (rope_theta, rope_type)
+    hidden_act: str
+    experts: Experts | None  # the MoE MLP, None for a dense model
+
+
+@dataclasses.dataclass(frozen=True)
 class Dense:
     """One D-first family: its name, HF model type, transformers defaults and refusals."""
 
@@ -117,16 +126,15 @@ class Dense:
         sizes = {"v": vocab, "d": hidden, "n": num_heads, "h": head_dim, "k": kv_heads, "f": mlp, "one": 1}
         experts = hf_config.get("num_experts", hf_config.get("num_local_experts", self.defaults.get("num_experts")))
         moe: set[int] = set()
-        extras: dict[str, Any] = {"rope": rope(hf_config), "hidden_act": str(get("hidden_act")), "experts": None}
+        moe_mlp: Experts | None = None
         if experts:  # as transformers: every decoder_sparse_step-th layer not in mlp_only_layers
             step = int(get("decoder_sparse_step") or 1)
             only = {int(i) for i in (get("mlp_only_layers") or [])}
             moe = {i for i in range(num_layers) if i not in only and (i + 1) % step == 0}
             sizes.update(e=int(experts), m=int_field(hf_config, "moe_intermediate_size", where, self.defaults))
             top_k = int_field(hf_config, "num_experts_per_tok", where, self.defaults)
-            extras["experts"] = {"num_experts": int(experts), "top_k": top_k,
-                                 "norm_topk_prob": bool(get("norm_topk_prob")),
-                                 "dense_layers": [i for i in range(num_layers) if i not in moe]}
+            moe_mlp = Experts(int(experts), top_k, bool(get("norm_topk_prob")),
+                              tuple(i for i in range(num_layers) if i not in moe))
         layers = [LayerConfig(i, t, head_dim, kv_heads,
                               ("sliding" if t == SLIDING else "full") + (" moe" if i in moe else ""),
                               flags={"moe": i in moe, "dense_mlp": i not in moe})
@@ -138,25 +146,26 @@ class Dense:
             intermediate_size=mlp, num_heads=num_heads, layers=tuple(layers), rms_norm_eps=float(get("rms_norm_eps")),
             tie_word_embeddings=tie, sliding_window=int(window) if window else None, key_prefix="model.", towers=(),
             sizes=sizes, flags={"untied_head": not tie},
-            extras=extras, hf_config=hf_config,
+            extras=Extras(rope(hf_config), str(get("hidden_act")), moe_mlp), hf_config=hf_config,
         )
 
 
 def mismatches(cfg: ModelConfig, name: str, *, fixed_theta: float | None) -> list[str]:
     """What a D-first HF config asks for that Tunix's ``name`` model does not compute. ``fixed_theta``:
     the RoPE theta Tunix uses whatever the config says (None: it takes the config's)."""
-    theta = float(cfg.extras["rope"].get("rope_theta", 10_000.0))
+    extras: Extras = cfg.extras
+    theta = float(extras.rope.get("rope_theta", 10_000.0))
     problems = []
     if fixed_theta is not None and theta != fixed_theta:
         problems.append(f"rope_theta {theta:g} (Tunix {name} always uses {fixed_theta:g})")
-    if cfg.extras["rope"].get("rope_type", "default") != "default":
-        problems.append(f"rope_type {cfg.extras['rope']['rope_type']!r} (Tunix {name} has no RoPE scaling)")
+    if extras.rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type {extras.rope['rope_type']!r} (Tunix {name} has no RoPE scaling)")
     if cfg.sliding_window:
         problems.append(f"use_sliding_window (Tunix {name} attends to every position)")
-    if cfg.extras["hidden_act"] != "silu":
-        problems.append(f"hidden_act {cfg.extras['hidden_act']!r} (Tunix {name} uses silu)")
-    experts = cfg.extras.get("experts")
-    if experts and not experts["norm_topk_prob"]:
+    if extras.hidden_act != "silu":
+        problems.append(f"hidden_act {extras.hidden_act!r} (Tunix {name} uses silu)")
+    experts = extras.experts
+    if experts and not experts.norm_topk_prob:
         problems.append(f"norm_topk_prob false (Tunix {name} renormalises the top-k routing weights)")
     return problems
 
@@ -170,14 +179,15 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
     import jax.numpy as jnp
 
     tm = importlib.import_module(module)
-    theta = float(cfg.extras["rope"].get("rope_theta", 10_000.0))
-    experts = cfg.extras.get("experts")
+    extras: Extras = cfg.extras
+    theta = float(extras.rope.get("rope_theta", 10_000.0))
+    experts = extras.experts
     moe = {}
     if experts:
-        if experts["dense_layers"]:
-            raise UnsupportedError(f"config.json: dense MLP layers {experts['dense_layers']} (mlp_only_layers, "
+        if experts.dense_layers:
+            raise UnsupportedError(f"config.json: dense MLP layers {list(experts.dense_layers)} (mlp_only_layers, "
                                    "decoder_sparse_step) among MoE layers: Tunix's model makes every layer MoE")
-        moe = dict(num_experts=experts["num_experts"], num_experts_per_tok=experts["top_k"])
+        moe = dict(num_experts=experts.num_experts, num_experts_per_tok=experts.top_k)
     kwargs = dict(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
                   hidden_dim=cfg.sizes["m"] if experts else cfg.intermediate_size, **moe, num_heads=cfg.num_heads,
                   head_dim=cfg.layers[0].head_dim,

@@ -15,6 +15,7 @@ other configs convert exactly and build a Tunix model only with ``allow_config_m
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
@@ -46,6 +47,18 @@ ACTIVATION_FIELD = {"gemma": "hidden_act", "gemma2": "hidden_activation"}
 TUNIX_ROPE_THETA = 10_000.0
 TUNIX_RMS_EPS = 1e-6
 TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # nnx.gelu: the tanh approximation
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """Gemma 1 and 2's own settings (``ModelConfig.extras``)."""
+
+    rope: dict
+    activation: tuple[str, str]  # (the config field that names it, the activation)
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+    attn_logit_softcapping: float | None
+    bidirectional: bool
 
 
 def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
@@ -82,14 +95,14 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
         num_heads=num_heads, layers=tuple(layers), rms_norm_eps=float(get("rms_norm_eps")), tie_word_embeddings=True,
         sliding_window=int(window) if window else None, key_prefix="model.", towers=(), sizes=sizes,
         flags={"fused_qkv": num_heads == kv_heads, "split_qkv": num_heads != kv_heads},
-        extras={
-            "rope": dfirst.rope(hf_config),
-            "activation": (ACTIVATION_FIELD[model_type], str(get(ACTIVATION_FIELD[model_type]))),
-            "query_pre_attn_scalar": get("query_pre_attn_scalar") if gemma2 else head_dim,
-            "final_logit_softcapping": get("final_logit_softcapping") if gemma2 else None,
-            "attn_logit_softcapping": get("attn_logit_softcapping") if gemma2 else None,
-            "bidirectional": bool(get("use_bidirectional_attention")),
-        },
+        extras=Extras(
+            rope=dfirst.rope(hf_config),
+            activation=(ACTIVATION_FIELD[model_type], str(get(ACTIVATION_FIELD[model_type]))),
+            query_pre_attn_scalar=get("query_pre_attn_scalar") if gemma2 else head_dim,
+            final_logit_softcapping=get("final_logit_softcapping") if gemma2 else None,
+            attn_logit_softcapping=get("attn_logit_softcapping") if gemma2 else None,
+            bidirectional=bool(get("use_bidirectional_attention")),
+        ),
         hf_config=hf_config,
     )
 
@@ -97,21 +110,21 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
 def mismatches(cfg: ModelConfig) -> list[str]:
     """What an HF Gemma 1 / 2 config asks for that Tunix's Gemma does not compute."""
     problems = []
-    rope = cfg.extras["rope"]
+    rope = cfg.extras.rope
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_type {rope['rope_type']!r} (Tunix gemma has no RoPE scaling)")
     if float(rope.get("rope_theta", TUNIX_ROPE_THETA)) != TUNIX_ROPE_THETA:
         problems.append(f"rope_theta {float(rope['rope_theta']):g} (Tunix gemma always uses {TUNIX_ROPE_THETA:g})")
     if cfg.rms_norm_eps != TUNIX_RMS_EPS:
         problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix gemma uses {TUNIX_RMS_EPS})")
-    field, activation = cfg.extras["activation"]
+    field, activation = cfg.extras.activation
     if activation not in TUNIX_ACTIVATIONS:
         problems.append(f"{field} {activation!r} (Tunix gemma uses tanh GELU)")
     head_dim = cfg.layers[0].head_dim
-    if cfg.extras["query_pre_attn_scalar"] != head_dim:
-        problems.append(f"query_pre_attn_scalar {cfg.extras['query_pre_attn_scalar']} (Tunix gemma scales queries "
+    if cfg.extras.query_pre_attn_scalar != head_dim:
+        problems.append(f"query_pre_attn_scalar {cfg.extras.query_pre_attn_scalar} (Tunix gemma scales queries "
                         f"by head_dim {head_dim})")
-    if cfg.extras["bidirectional"]:
+    if cfg.extras.bidirectional:
         problems.append("use_bidirectional_attention (Tunix gemma is causal)")
     return problems
 
@@ -127,11 +140,11 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
     kwargs = dict(
         num_layers=cfg.num_layers, num_embed=cfg.vocab_size, embed_dim=cfg.hidden_size,
         hidden_dim=cfg.intermediate_size, num_heads=cfg.num_heads, head_dim=cfg.layers[0].head_dim,
-        num_kv_heads=cfg.layers[0].num_kv_heads, final_logit_softcap=cfg.extras["final_logit_softcapping"],
+        num_kv_heads=cfg.layers[0].num_kv_heads, final_logit_softcap=cfg.extras.final_logit_softcapping,
         use_post_attn_norm=gemma2, use_post_ffw_norm=gemma2,
         attention_types=tuple(gm.AttentionType.GLOBAL if layer.is_global else gm.AttentionType.LOCAL_SLIDING
                               for layer in cfg.layers),
-        attn_logits_soft_cap=cfg.extras["attn_logit_softcapping"], sliding_window_size=cfg.sliding_window,
+        attn_logits_soft_cap=cfg.extras.attn_logit_softcapping, sliding_window_size=cfg.sliding_window,
     )
     if remat is not None:
         kwargs["remat_config"] = gm.RematConfig[remat.upper()]

@@ -17,6 +17,7 @@ it cannot express converts exactly, and builds a Tunix model only with ``allow_c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -78,6 +79,17 @@ def _rope(text: dict) -> dict:
             FULL: full}
 
 
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """Gemma 3's own settings (``ModelConfig.extras``)."""
+
+    rope: dict  # rope_parameters per layer type
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+    attn_logit_softcapping: float | None
+    hidden_activation: str
+
+
 def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     """Resolve a Gemma 3 HF config (either model type) per layer."""
     text, towers, tie, w = _text_config(hf_config, where)
@@ -115,13 +127,13 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
         towers=towers,
         sizes=sizes,
         flags={"fused_qkv": num_heads == kv_heads, "split_qkv": num_heads != kv_heads},
-        extras={
-            "rope": _rope(text),
-            "query_pre_attn_scalar": get("query_pre_attn_scalar"),
-            "final_logit_softcapping": get("final_logit_softcapping"),
-            "attn_logit_softcapping": get("attn_logit_softcapping"),
-            "hidden_activation": str(get("hidden_activation")),
-        },
+        extras=Extras(
+            rope=_rope(text),
+            query_pre_attn_scalar=get("query_pre_attn_scalar"),
+            final_logit_softcapping=get("final_logit_softcapping"),
+            attn_logit_softcapping=get("attn_logit_softcapping"),
+            hidden_activation=str(get("hidden_activation")),
+        ),
         hf_config=hf_config,
     )
 
@@ -133,7 +145,7 @@ TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
 def _rope_of(cfg: ModelConfig, layer_type: str, problems: list[str] | None = None) -> tuple[float, float]:
-    params = cfg.extras["rope"].get(layer_type) or {}
+    params = cfg.extras.rope.get(layer_type) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in ("default", "linear") and problems is not None:
         problems.append(f"rope_type {rope_type!r} for {layer_type} (Tunix Gemma 3 has default and linear)")
@@ -148,13 +160,13 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     if [layer.attention for layer in cfg.layers] != expected:
         problems.append("layer_types other than 5 sliding : 1 global (Tunix's fixed pattern)")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.extras[key] is not None:
-            problems.append(f"{key} {cfg.extras[key]} (Tunix Gemma 3 has no softcapping)")
+        if getattr(cfg.extras, key) is not None:
+            problems.append(f"{key} {getattr(cfg.extras, key)} (Tunix Gemma 3 has no softcapping)")
     if cfg.rms_norm_eps != TUNIX_RMS_EPS:
         problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix uses {TUNIX_RMS_EPS})")
-    if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
-        problems.append(f"hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
-    head_dim, qpas = cfg.layers[0].head_dim, cfg.extras["query_pre_attn_scalar"]
+    if cfg.extras.hidden_activation not in TUNIX_ACTIVATIONS:
+        problems.append(f"hidden_activation {cfg.extras.hidden_activation!r} (Tunix uses tanh GELU)")
+    head_dim, qpas = cfg.layers[0].head_dim, cfg.extras.query_pre_attn_scalar
     if qpas not in (head_dim, cfg.hidden_size // cfg.num_heads):
         problems.append(f"query_pre_attn_scalar {qpas} (Tunix takes head_dim {head_dim} or hidden/heads "
                         f"{cfg.hidden_size // cfg.num_heads})")
@@ -173,7 +185,7 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
     head_dim = cfg.layers[0].head_dim
     norm = gm.QueryPreAttentionNormalisation
     query_norm = (norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
-                  if cfg.extras["query_pre_attn_scalar"] == cfg.hidden_size // cfg.num_heads != head_dim
+                  if cfg.extras.query_pre_attn_scalar == cfg.hidden_size // cfg.num_heads != head_dim
                   else norm.BY_ONE_OVER_SQRT_HEAD_DIM)
     local_freq, local_scale = _rope_of(cfg, SLIDING)
     global_freq, global_scale = _rope_of(cfg, FULL)

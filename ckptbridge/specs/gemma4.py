@@ -24,7 +24,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
+from ckptbridge.config import FULL, SLIDING, Experts, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
 from ckptbridge.specs.base import FamilySpec, ModelType, PeftParam, TensorRule, TunixModel
@@ -190,6 +190,17 @@ def _layers(text: dict, types: list[str], w: str, sizes: dict) -> tuple[list[Lay
     return layers, "legacy"
 
 
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """Gemma 4's own settings (``ModelConfig.extras``)."""
+
+    kv_shared_layers: int  # the last layers, which reuse earlier layers' keys and values
+    rope: dict  # rope_parameters per layer type
+    final_logit_softcapping: float | None
+    hidden_activation: str
+    experts: Experts | None  # enable_moe_block: the MoE MLP beside the dense one in every layer
+
+
 def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     """Resolve a Gemma 4 HF config (either model type, either dialect) per layer."""
     text, towers, tie, w = _text_config(hf_config, where)
@@ -206,8 +217,8 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     sizes = {"v": vocab, "d": hidden, "n": num_heads, "f": mlp, "c": 2, "one": 1}
     moe = None
     if get("enable_moe_block"):  # every layer, as transformers
-        moe = {"num_experts": int_field(text, "num_experts", w), "top_k": int_field(text, "top_k_experts", w)}
-        sizes.update(e=moe["num_experts"], m=int_field(text, "moe_intermediate_size", w), g=2)
+        moe = Experts(int_field(text, "num_experts", w), int_field(text, "top_k_experts", w))
+        sizes.update(e=moe.num_experts, m=int_field(text, "moe_intermediate_size", w), g=2)
     ple = int(get("hidden_size_per_layer_input") or 0)
     if ple:
         sizes.update(l=num_layers, p=ple, u=int_field(text, "vocab_size_per_layer_input", w, TEXT_DEFAULTS))
@@ -233,15 +244,11 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
         towers=towers,
         sizes=sizes,
         flags={"ple": bool(ple)},
-        extras={
-            "kv_shared_layers": shared,
-            "dialect": dialect,
-            "rope": text.get("rope_parameters") or DEFAULT_ROPE,
-            "final_logit_softcapping": get("final_logit_softcapping"),
-            "hidden_activation": str(get("hidden_activation")),
-            "moe": moe,
-        },
+        extras=Extras(kv_shared_layers=shared, rope=text.get("rope_parameters") or DEFAULT_ROPE,
+                      final_logit_softcapping=get("final_logit_softcapping"),
+                      hidden_activation=str(get("hidden_activation")), experts=moe),
         hf_config=hf_config,
+        dialect=dialect,
     )
 
 
@@ -253,7 +260,7 @@ TUNIX_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 def _rope(cfg: ModelConfig, layer_type: str, default_type: str) -> tuple[float, float, float]:
     """(base frequency, rotary proportion, scale factor) of one layer type, as Tunix takes them."""
-    rope = cfg.extras["rope"]
+    rope = cfg.extras.rope
     params = rope.get(layer_type) if isinstance(rope, dict) else None
     if not isinstance(params, dict):
         raise UnsupportedError(f"config.json: rope_parameters has no entry for {layer_type}")
@@ -272,14 +279,14 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     problems = []
     if cfg.rms_norm_eps != TUNIX_RMS_EPS:
         problems.append(f"rms_norm_eps {cfg.rms_norm_eps} (Tunix Gemma 4 uses {TUNIX_RMS_EPS})")
-    if cfg.extras["hidden_activation"] not in TUNIX_ACTIVATIONS:
-        problems.append(f"hidden_activation {cfg.extras['hidden_activation']!r} (Tunix uses tanh GELU)")
-    if cfg.extras.get("moe"):
+    if cfg.extras.hidden_activation not in TUNIX_ACTIVATIONS:
+        problems.append(f"hidden_activation {cfg.extras.hidden_activation!r} (Tunix uses tanh GELU)")
+    if cfg.extras.experts:
         problems.append("enable_moe_block (Tunix 0.1.7's router reads moe_pre_ffw_norm(x), transformers' the "
                         "residual x itself)")
     wrong = [i for i, (ours, theirs) in enumerate(zip(_kv_sources(cfg), _tunix_kv_sources(cfg))) if ours != theirs]
     if wrong:
-        problems.append(f"num_kv_shared_layers {cfg.extras['kv_shared_layers']} with this layer pattern (Tunix "
+        problems.append(f"num_kv_shared_layers {cfg.extras.kv_shared_layers} with this layer pattern (Tunix "
                         f"shares layers {wrong} from other layers than transformers: the last unshared global "
                         "and the one before it)")
     return problems
@@ -288,7 +295,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
 def _kv_sources(cfg: ModelConfig) -> list[int]:
     """The layer whose K/V each layer uses, as transformers computes it: kv-shared layers use the
     last unshared layer of their attention type."""
-    unshared = cfg.num_layers - cfg.extras["kv_shared_layers"]
+    unshared = cfg.num_layers - cfg.extras.kv_shared_layers
     out = []
     for layer in cfg.layers:
         if layer.index < unshared:
@@ -302,7 +309,7 @@ def _kv_sources(cfg: ModelConfig) -> list[int]:
 def _tunix_kv_sources(cfg: ModelConfig) -> list[int]:
     """The same as Tunix 0.1.7 computes it: the last unshared layer for global layers, the one
     before it for sliding layers, whatever their types."""
-    unshared = cfg.num_layers - cfg.extras["kv_shared_layers"]
+    unshared = cfg.num_layers - cfg.extras.kv_shared_layers
     return [layer.index if layer.index < unshared else unshared - (1 if layer.is_global else 2) for layer in cfg.layers]
 
 
@@ -322,7 +329,7 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
     if cfg.flags["ple"] and cfg.sizes["u"] != cfg.vocab_size:
         raise UnsupportedError(f"config.json: vocab_size_per_layer_input {cfg.sizes['u']} differs from vocab_size "
                                f"{cfg.vocab_size}; Tunix's per-layer embedding table has vocab_size rows")
-    shared = cfg.extras["kv_shared_layers"]
+    shared = cfg.extras.kv_shared_layers
     frac = shared / cfg.num_layers
     if int(cfg.num_layers - frac * cfg.num_layers) != cfg.num_layers - shared:  # Tunix truncates L - frac * L
         frac = (shared - 0.5) / cfg.num_layers
@@ -341,14 +348,14 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
         num_global_kv_heads=glob.num_kv_heads,
         global_key_size=glob.head_dim,
         k_eq_v_global=any(layer.flags["k_eq_v"] for layer in global_),
-        final_logit_softcap=cfg.extras["final_logit_softcapping"],
+        final_logit_softcap=cfg.extras.final_logit_softcapping,
         per_layer_input_dim=cfg.sizes["p"] if cfg.flags["ple"] else 0,
         frac_shared_layers=frac,
         override_kv_shared_ffw_hidden=(cfg.layers[-1].sizes["f"] if shared and cfg.layers[-1].sizes["f"]
                                        != cfg.intermediate_size else None),
-        **(dict(enable_moe=True, num_experts=cfg.extras["moe"]["num_experts"],
-                num_experts_per_tok=cfg.extras["moe"]["top_k"], expert_dim=cfg.sizes["m"])
-           if cfg.extras.get("moe") else {}),
+        **(dict(enable_moe=True, num_experts=cfg.extras.experts.num_experts,
+                num_experts_per_tok=cfg.extras.experts.top_k, expert_dim=cfg.sizes["m"])
+           if cfg.extras.experts else {}),
         sliding_window_size=cfg.sliding_window,
         attention_pattern=tuple(
             gm.AttentionType.GLOBAL if layer.is_global else gm.AttentionType.LOCAL_SLIDING for layer in cfg.layers
@@ -414,8 +421,9 @@ def to_per_layer_config(config_path: str) -> None:
     per_layer_config, as transformers >= 5.15 writes it (for tests of both dialects)."""
     import json
 
-    with open(config_path) as f:
-        cfg = json.load(f)
+    from ckptbridge.io.files import read_json_object
+
+    cfg = read_json_object(config_path, "restore the model's config.json")
     text = cfg["text_config"] if cfg.get("model_type") == "gemma4" else cfg
     ghd = text.pop("global_head_dim", 512)
     gkv = text.pop("num_global_key_value_heads", None)
