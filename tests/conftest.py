@@ -1,11 +1,11 @@
-"""Fixtures: tiny random Gemma 4 checkpoints written by transformers' save_pretrained.
-
-Built once per session. All dims distinct (see ckptbridge.testing.TINY_DIMS); random norms
-and layer scalars; k_eq_v and plain global layers; both key prefixes; one file and 2 shards.
+"""Fixtures shared by the test files: the tiny checkpoints of tests/families.py (the family
+contract's one table), built lazily once per session, and what is derived from them once (Orbax
+conversions, LoRA adapters, reference logits); helpers to run the CLI and a server.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -17,32 +17,149 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-CASES = {
-    # name: build_checkpoint kwargs
-    "keqv_lm_f32_sharded": dict(attention_k_eq_v=True, prefix="model.language_model.", dtype="float32", shards=2),
-    "keqv_text_bf16_single": dict(attention_k_eq_v=True, prefix="model.", dtype="bfloat16", shards=1),
-    "kv_text_f32_sharded": dict(attention_k_eq_v=False, prefix="model.", dtype="float32", shards=2),
-    "kv_lm_bf16_sharded": dict(attention_k_eq_v=False, prefix="model.language_model.", dtype="bfloat16", shards=2),
-}
+from families import CASES, TOKENS, seed, tunix_rules  # noqa: E402
+
+
+class _Lazy(dict):
+    """name -> value, made by ``make(name)`` the first time it is asked for."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, name):
+        value = self[name] = self._make(name)
+        return value
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """name -> path of a tiny HF checkpoint, built lazily and cached for the session."""
+    """row name (tests/families.py) -> path of its tiny HF checkpoint, built lazily, once per session.
+    ``checkpoints.hashes[name]`` is the tree hash it was built with (inputs must stay untouched)."""
     from ckptbridge.testing import build_checkpoint
 
     root = tmp_path_factory.mktemp("hf")
-    built: dict[str, str] = {}
 
-    class Lazy(dict):
-        def __missing__(self, name):
-            path = str(root / name)
-            build_checkpoint(path, seed=len(built), **CASES[name])
-            built[name] = path
-            self[name] = path
-            return path
+    def build(name):
+        path = build_checkpoint(str(root / name), seed=seed(name), **CASES[name].build)
+        lazy.hashes[name] = tree_hash(path)
+        return path
 
-    return Lazy()
+    lazy = _Lazy(build)
+    lazy.hashes = {}
+    return lazy
+
+
+@pytest.fixture(scope="session")
+def converted(checkpoints, tmp_path_factory):
+    """row name -> (Orbax checkpoint, report) of its safetensors-to-orbax conversion (towers
+    skipped), made once per session. Read only."""
+    from ckptbridge.convert import convert_safetensors_to_orbax
+
+    root = tmp_path_factory.mktemp("orbax")
+
+    def convert(name):
+        dst = str(root / name)
+        report = convert_safetensors_to_orbax(checkpoints[name], dst, skip_multimodal=CASES[name].multimodal,
+                                              progress=False)
+        return dst, report
+
+    return _Lazy(convert)
+
+
+@pytest.fixture(scope="session")
+def precise():
+    """float32 matmuls at full precision, for logits compared at 1e-5."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def base_logits(checkpoints, precise):
+    """row name -> transformers' logits of its checkpoint on families.TOKENS (computed once)."""
+    from ckptbridge.verify import hf_logits
+
+    return _Lazy(lambda name: hf_logits(checkpoints[name], TOKENS))
+
+
+class RowLora:
+    """The LoRA adapters of one row, each made the first time it is asked for: ``peft`` (made by
+    PEFT on the HF base), ``tunix`` (a Tunix+qwix LoRA model saved by Tunix's CheckpointManager at
+    ``step``, its rules recorded), their logits on families.TOKENS, and each converted to the
+    other kind with the verbs' defaults. Read only."""
+
+    step = 3
+
+    def __init__(self, name, base, root, base_logits):
+        self.name, self.base, self._root, self._base_logits = name, base, root, base_logits
+
+    @functools.cached_property
+    def peft(self) -> str:
+        from ckptbridge.testing import build_peft_adapter
+
+        return build_peft_adapter(self.base, str(self._root / "peft"), r=4, lora_alpha=10, seed=3,
+                                  **CASES[self.name].peft)
+
+    @functools.cached_property
+    def _tunix(self):
+        from ckptbridge.testing import build_tunix_lora, save_tunix_lora
+        from ckptbridge.verify import tunix_logits
+
+        model, rules = build_tunix_lora(self.base, tunix_rules(self.name), seed=1)
+        root = save_tunix_lora(model, str(self._root / "tunix"), step=self.step, custom_metadata={
+            "ckptbridge": {"kind": "lora", "family": CASES[self.name].family, "lora": {"rules": rules}}})
+        return root, rules, tunix_logits(model, TOKENS)
+
+    @property
+    def tunix(self) -> str:
+        return self._tunix[0]
+
+    @property
+    def rules(self) -> list[dict]:
+        return self._tunix[1]
+
+    @property
+    def tunix_logits(self):
+        return self._tunix[2]
+
+    @functools.cached_property
+    def peft_logits(self):
+        from ckptbridge.verify import peft_logits
+
+        return peft_logits(self.base, self.peft, TOKENS)
+
+    @property
+    def base_logits(self):
+        return self._base_logits[self.name]
+
+    @functools.cached_property
+    def peft_as_orbax(self):
+        """``peft`` converted by peft-to-orbax with its defaults (kv exact, step 0): (root, report)."""
+        from ckptbridge.adapters import convert_peft_to_orbax
+
+        dst = str(self._root / "peft-as-orbax")
+        return dst, convert_peft_to_orbax(self.peft, dst, base=self.base, progress=False)
+
+    @functools.cached_property
+    def tunix_as_peft(self):
+        """``tunix`` converted by orbax-to-peft with its defaults (target hf): (directory, report)."""
+        from ckptbridge.adapters import convert_orbax_to_peft
+
+        dst = str(self._root / "tunix-as-peft")
+        return dst, convert_orbax_to_peft(self.tunix, dst, base=self.base, progress=False)
+
+
+@pytest.fixture(scope="session")
+def adapters(checkpoints, base_logits, tmp_path_factory, precise):
+    """row name -> its :class:`RowLora` (adapters made lazily, once per session). Read only."""
+    root = tmp_path_factory.mktemp("lora")
+
+    def make(name):
+        (root / name).mkdir()
+        return RowLora(name, checkpoints[name], root / name, base_logits)
+
+    return _Lazy(make)
 
 
 def tree_hash(path: str) -> str:
@@ -56,6 +173,41 @@ def tree_hash(path: str) -> str:
             with open(full, "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
+
+
+def rewrite_checkpoint(src, dst, *, drop=None, add=None, rename=None) -> str:
+    """A copy of the HF directory ``src`` with one tensor dropped, added or renamed (in whichever
+    file holds it; an added one in the first file; the index follows)."""
+    import json
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    index = json.load(open(index_path)) if os.path.exists(index_path) else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    key = drop or (rename[0] if rename else None)
+    name = index["weight_map"][key] if (index and key) else files[0]
+    tensors = load_file(os.path.join(dst, name))
+    if drop:
+        tensors.pop(drop)
+    if add:
+        tensors[add] = np.zeros(4, np.float32)
+    if rename:
+        tensors[rename[1]] = tensors.pop(rename[0])
+    save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
+    if index:
+        wm = index["weight_map"]
+        if drop:
+            wm.pop(drop)
+        if add:
+            wm[add] = name
+        if rename:
+            wm[rename[1]] = wm.pop(rename[0])
+        json.dump(index, open(index_path, "w"))
+    return str(dst)
 
 
 def run_cli(*args: str, timeout: int = 300, env: dict | None = None,

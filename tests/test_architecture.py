@@ -101,3 +101,13 @@ def test_type_checking_imports_are_counted():
         assert _imports(f.name, "ckptbridge.x") >= {"ckptbridge.lora", "ckptbridge.lora.Base"}
     finally:
         os.unlink(f.name)
+
+
+def test_cli_reads_reports_by_attribute():
+    """The CLI prints what the verbs return (typed reports): it looks up no string keys (a renamed
+    field fails in the type checker, not at run time on one text path)."""
+    tree = ast.parse(open(os.path.join(ROOT, "ckptbridge", "cli.py")).read())
+    lookups = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+               and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)
+               and ast.unparse(n.value) != "os.environ"]
+    assert lookups == []

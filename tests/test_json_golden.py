@@ -17,8 +17,8 @@ key structure and value types are pinned, see :func:`env_skeleton`).
 
 Not covered: ``verify served`` (it needs a running vLLM server).
 
-The inputs are built here rather than with conftest's ``checkpoints`` fixture, whose seeds depend
-on the order the session builds them in.
+The inputs are built here (fixed seeds, one tiny base) rather than with conftest's
+``checkpoints`` fixture, so that the goldens do not depend on that fixture's rows.
 
 Re-record after an intended change of an output::
 
