@@ -190,7 +190,8 @@ def lint_adapter(adapter: str, base: str, *, target: str = "hf", step: int | Non
     lint = Lint(adapter, base, adapter_kind(adapter), target)
     if lint.kind == "peft":
         if step is not None or alpha is not None:
-            raise ConfigError(f"{adapter}: alpha/step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
+            raise ConfigError(f"{adapter}: alpha/step (--alpha, --step) apply to Orbax LoRA checkpoints; "
+                              "a PEFT adapter records its own")
         _lint_peft(lint, b)
     else:
         _lint_orbax(lint, b, step, alpha)

@@ -130,7 +130,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
         try:
             tunix_version_key(tunix_version)
         except ValueError as e:
-            raise ConfigError(f"--tunix-version: {e}") from None
+            raise ConfigError(f"tunix_version (--tunix-version): {e}") from None
     target = tunix_version or installed_tunix_version()
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)

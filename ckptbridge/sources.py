@@ -285,7 +285,7 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
         prefix = meta.key_prefix
     else:
         raise ConfigError(
-            f"{path}: carries no ckptbridge metadata with the HF config; pass --config with the base "
+            f"{path}: carries no ckptbridge metadata with the HF config; pass config (--config) with the base "
             "model's config.json (or its directory)"
         )
     spec = family_for(hf_config, where)
@@ -309,7 +309,7 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
         e = expected[missing[0]]
         raise MismatchError(
             f"{path}: leaf {'/'.join(missing[0])} is missing{_layer_note(e)}{more(missing)}; the checkpoint does not "
-            "match the config (wrong --config, or an incomplete checkpoint)"
+            "match the config (wrong config (--config), or an incomplete checkpoint)"
         )
     extra = sorted(p for p in leaves if p not in expected)
     if extra:

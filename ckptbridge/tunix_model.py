@@ -48,9 +48,9 @@ def check_config(cfg: ModelConfig, allow_config_mismatch: bool, *, warn: bool = 
     if line is None:
         return
     if not allow_config_mismatch:
-        raise UnsupportedError(f"{line}; pass --allow-config-mismatch to build it anyway")
+        raise UnsupportedError(f"{line}; pass allow_config_mismatch=True (--allow-config-mismatch) to build it anyway")
     if warn:
-        log.warning("%s; built anyway (--allow-config-mismatch)", line)
+        log.warning("%s; built anyway (allow_config_mismatch)", line)
 
 
 def tunix_model_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None,

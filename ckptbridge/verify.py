@@ -235,7 +235,7 @@ def prompt_ids(base: str, *, ids: list[int] | None = None, prompt: str | None = 
     random ids from BASE's vocabulary."""
     cfg = open_base(base).cfg
     if ids is not None and prompt is not None:
-        raise ConfigError("give --ids or --prompt, not both")
+        raise ConfigError("give ids or prompt (--ids, --prompt), not both")
     if prompt is not None:
         try:
             from transformers import AutoTokenizer
@@ -243,10 +243,10 @@ def prompt_ids(base: str, *, ids: list[int] | None = None, prompt: str | None = 
             tok = AutoTokenizer.from_pretrained(base)
         except (OSError, ValueError) as e:
             raise ConfigError(
-                f"{base}: no tokenizer to encode --prompt ({type(e).__name__}); pass --ids instead") from None
+                f"{base}: no tokenizer to encode the prompt ({type(e).__name__}); pass ids (--ids) instead") from None
         ids = list(tok(prompt)["input_ids"])
         if not ids:
-            raise ConfigError("--prompt encodes to no tokens")
+            raise ConfigError("the prompt (--prompt) encodes to no tokens")
     if ids is None:
         ids = [int(x) for x in np.random.default_rng(seed).integers(3, cfg.vocab_size, size=length)]
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]

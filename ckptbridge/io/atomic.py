@@ -66,7 +66,7 @@ def check_destination(dst: str, sources: list[str], overwrite: bool) -> None:
         if asrc.startswith(adst.rstrip(os.sep) + os.sep):
             raise OutputError(f"{dst}: destination contains the source {src}; choose another directory")
     if os.path.lexists(dst) and not overwrite:
-        raise OutputError(f"{dst}: already exists; remove it or pass --overwrite")
+        raise OutputError(f"{dst}: already exists; remove it or pass overwrite=True (--overwrite)")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise OutputError(f"{dst}: parent directory {parent} does not exist; create it first")
@@ -85,7 +85,7 @@ def _check_remote_destination(dst: str, sources: list[str], overwrite: bool) -> 
     if not storage.exists(storage.SCHEME + bucket):
         raise OutputError(f"{dst}: bucket {bucket} does not exist or cannot be read with these credentials")
     if storage.exists(dst) and not overwrite:
-        raise OutputError(f"{dst}: already exists; remove it or pass --overwrite")
+        raise OutputError(f"{dst}: already exists; remove it or pass overwrite=True (--overwrite)")
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ def atomic_directory(dst: str, overwrite: bool = False) -> Iterator[str]:
         out = os.path.join(tmp, "out")
         if os.path.lexists(dst):
             if not overwrite:
-                raise OutputError(f"{dst}: appeared while writing; remove it or pass --overwrite")
+                raise OutputError(f"{dst}: appeared while writing; remove it or pass overwrite=True (--overwrite)")
             old = os.path.join(tmp, "old")
             os.rename(dst, old)
         os.rename(out, dst)
@@ -159,7 +159,7 @@ def _remote_atomic_directory(dst: str, overwrite: bool) -> Iterator[str]:
         out = storage.join(tmp, "out")
         if storage.exists(dst):
             if not overwrite:
-                raise OutputError(f"{dst}: appeared while writing; remove it or pass --overwrite")
+                raise OutputError(f"{dst}: appeared while writing; remove it or pass overwrite=True (--overwrite)")
             storage.remove_tree(dst)
         storage.copy_tree(out, dst, last=("_CHECKPOINT_METADATA", storage.COMMIT_FILE, "_METADATA"))
     finally:

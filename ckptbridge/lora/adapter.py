@@ -25,7 +25,8 @@ def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float 
         raise InputNotFoundError(f"{src}: no such adapter directory")
     if os.path.isfile(os.path.join(src, ADAPTER_CONFIG)):
         if alpha is not None or step is not None:
-            raise ConfigError(f"{src}: alpha/step apply to Orbax LoRA checkpoints; a PEFT adapter records its own")
+            raise ConfigError(f"{src}: alpha/step (--alpha, --step) apply to Orbax LoRA checkpoints; "
+                              "a PEFT adapter records its own")
         return open_peft_lora(src, base)
     return open_orbax_lora(src, base, step=step, alpha=alpha)
 

@@ -64,7 +64,7 @@ class Base:
 def open_base(path: str) -> Base:
     """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
     if not os.path.isdir(path):
-        raise InputNotFoundError(f"{path}: --base must be the HF base model directory (with config.json)")
+        raise InputNotFoundError(f"{path}: base (--base) must be the HF base model directory (with config.json)")
     config_path = os.path.join(path, "config.json")
     hf_config = read_config_file(config_path)
     spec = family_for(hf_config, config_path)

@@ -133,7 +133,7 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
         if rank < 1 or a[0] != shapes["a_tunix"] or b[0] != shapes["b_tunix"]:
             raise MismatchError(
                 f"{path}: {name} LoRA shapes A {a[0]} / B {b[0]} do not fit the base {base.path} "
-                f"(expected A {shapes['a_tunix']}, B {shapes['b_tunix']} at rank {rank}); wrong --base?"
+                f"(expected A {shapes['a_tunix']}, B {shapes['b_tunix']} at rank {rank}); wrong base (--base)?"
             )
         if alpha is not None:
             scaling[mod] = Scaling(rank, float(alpha))
@@ -141,7 +141,7 @@ def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> Or
         sc = scaling_from_rules(mod, rules, path) if rules else None
         if sc is None:
             raise ConfigError(
-                f"{path}: no LoRA alpha recorded for {name}; pass --alpha (the alpha used in training; "
+                f"{path}: no LoRA alpha recorded for {name}; pass alpha (--alpha), the alpha used in training ("
                 f"the scale is alpha / rank, rank here {rank})"
             )
         if sc.rank != rank:

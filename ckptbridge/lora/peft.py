@@ -369,7 +369,7 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: AdapterConfig)
         if rank < 1 or ia.shape != want_a or ib.shape != want_b:
             raise MismatchError(
                 f"{weights}: {module} lora_A {ia.shape} / lora_B {ib.shape} do not fit the base {base.path} "
-                f"(expected {want_a} / {want_b} at rank {rank}); wrong --base?"
+                f"(expected {want_a} / {want_b} at rank {rank}); wrong base (--base)?"
             )
         if ia.dtype != ib.dtype:
             raise MismatchError(f"{weights}: {module} lora_A and lora_B differ in dtype")
@@ -396,7 +396,7 @@ def _validate_peft(src: str, f: SafetensorsFile, base: Base, cfg: AdapterConfig)
             raise MismatchError(
                 f"{weights}: {name} lora_A {ia.shape} / lora_B {ib.shape} do not fit the base {base.path} "
                 f"({experts} experts of ({out}, {inp}): expected ({experts} r, {inp}) / ({out}, r {experts})); "
-                "wrong --base?")
+                "wrong base (--base)?")
         r_m = cfg.rank_of(name)
         if int(r_m) != rank:
             raise MismatchError(
