@@ -28,7 +28,8 @@ import tempfile
 import numpy as np
 
 from ckptbridge import deps, lora, options, vllm_lora
-from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
+from ckptbridge.errors import CkptBridgeError, ConfigError, CorruptFileError, MismatchError, UnsupportedError
+from ckptbridge.io.files import read_json_object
 from ckptbridge.lora import Base, open_base
 from ckptbridge.options import EXACT_TOLERANCE, LIVE_TOLERANCE, TARGETS
 from ckptbridge.report import Report
@@ -109,9 +110,6 @@ def _recorded_base_config(name: str | None) -> tuple[dict | None, str]:
         if not isinstance(cached, str):
             return None, "neither a local directory nor in the Hugging Face cache"
         path = cached
-    from ckptbridge.errors import CkptBridgeError
-    from ckptbridge.io.files import read_json_object
-
     try:
         return read_json_object(path, "the shapes are checked against BASE instead"), path
     except (CkptBridgeError, OSError) as e:

@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from ckptbridge import deps
-from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError
+from ckptbridge.errors import CkptBridgeError, ConfigError, CorruptFileError, InputNotFoundError
 from ckptbridge.io import storage
+from ckptbridge.io.files import read_json_object
 from ckptbridge.metadata import KEY as METADATA_KEY
 from ckptbridge.metadata import Metadata
 
@@ -484,9 +485,6 @@ def nest(flat: Mapping[Path, Any]) -> dict:
 
 def _read_json(path: str) -> dict | None:
     """The JSON object in ``path`` (local or remote), None when it is missing or not one."""
-    from ckptbridge.errors import CkptBridgeError
-    from ckptbridge.io.files import read_json_object
-
     try:
         return read_json_object(path, "", read=storage.read_bytes)
     except (CkptBridgeError, OSError):

@@ -23,7 +23,6 @@ import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
 from ckptbridge.io.files import close_on_error
-from ckptbridge.options import parse_size  # noqa: F401  (sizes of the writers)
 
 # safetensors dtype code -> (numpy type name, or ml_dtypes type name, item size)
 _TYPES = {

@@ -9,7 +9,7 @@ import numpy as np
 from ckptbridge import mapping
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io.files import close_on_error
-from ckptbridge.io.orbax import OrbaxCheckpoint
+from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import LoraModule, Scaling
 from ckptbridge.lora.rules import scaling_from_rules
@@ -86,8 +86,6 @@ class OrbaxLora:
 
 
 def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> OrbaxLora:
-    from ckptbridge.io.orbax import resolve_checkpoint
-
     path = resolve_checkpoint(src, step)
     with close_on_error(OrbaxCheckpoint(path)) as ckpt:
         return _validate_orbax_lora(path, ckpt, base, alpha)
