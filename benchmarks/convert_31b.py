@@ -10,9 +10,12 @@ includes the interpreter and its imports; peak RSS is the process's maximum resi
 ``/usr/bin/time`` reports it).
 Then, once each: both directions with ``--no-compression``, and ``verify tensors`` of the round
 trip. The first k's model with half the embedding (131072 rows) is converted both ways in the
-same alternation: peak RSS must not change when the largest tensor doubles.
+same alternation: peak RSS must not change when the largest tensor doubles. Each conversion
+runs three ways in the alternation (``CONFIGS``): on every core with the default ``--workers``,
+on every core with ``--workers 1``, and pinned to one core with ``taskset``; the table gives
+each as a ratio to ``cp`` + ``sync`` and the rate from one core to all.
 
-    .venv/bin/python benchmarks/convert_31b.py [--layers 2 4] [--repeat 3] [--chunk-size 128MiB]
+    .venv/bin/python benchmarks/convert_31b.py [--layers 2 4] [--repeat 3] [--chunk-size 32MiB]
         [--dir DIR] [--keep] [--out FILE]
 """
 
@@ -31,15 +34,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from merge_31b import GEMMA4_31B, dir_bytes, measure, timed_shell  # noqa: E402  (measure: generation only)
 
 
-def _convert(direction: str, src: str, dst: str, *options: str) -> dict:
+# How each conversion runs: (CPUs it is pinned to with taskset, or None for all; extra flags).
+# Pinned to one core, the default --workers is 1 (the usable cores).
+CONFIGS = {"all cores": (None, []), "all cores, --workers 1": (None, ["--workers", "1"]), "1 core": ("0", [])}
+
+
+def _convert(direction: str, src: str, dst: str, *options: str, pin: str | None = None) -> dict:
     """``python -m ckptbridge convert ...`` as a user runs it (the program, not ``main(argv)``,
-    so that it re-executes itself with huge pages where it would), timed by ``/usr/bin/time``."""
+    so that it re-executes itself with huge pages where it would), timed by ``/usr/bin/time``,
+    pinned to the CPUs ``pin`` with ``taskset`` when given."""
     if os.path.exists(dst):
         shutil.rmtree(dst)
     subprocess.run(["sync"], check=True)
+    taskset = ["taskset", "-c", pin] if pin is not None else []
     with tempfile.NamedTemporaryFile("r", suffix=".time") as out:
-        proc = subprocess.run(["/usr/bin/time", "-o", out.name, "-f", "%e %M %U %S", sys.executable, "-m", "ckptbridge",
-                               "convert", direction, src, dst, "--quiet", *options], capture_output=True, text=True)
+        proc = subprocess.run(["/usr/bin/time", "-o", out.name, "-f", "%e %M %U %S", *taskset, sys.executable, "-m",
+                               "ckptbridge", "convert", direction, src, dst, "--quiet", *options],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{direction} failed:\n{proc.stderr[-3000:]}")
         wall, rss_kb, user, system = out.read().split()[-4:]
@@ -83,25 +94,32 @@ def main() -> None:
             base = _base(work, k, GEMMA4_31B["vocab_size"])
             row: dict = {"layers": k, "vocab": GEMMA4_31B["vocab_size"], "base_bytes": dir_bytes(base)}
             print(f"k={k}: base {row['base_bytes'] / 2**30:.2f} GiB", flush=True)
-            runs: dict[str, list] = {"cp_s": [], "cp_sync_s": [], "s2o": [], "o2s": []}
+            runs: dict = {"cp_s": [], "cp_sync_s": [], **{c: {"s2o": [], "o2s": []} for c in CONFIGS}}
             halves: dict[str, list] = {"s2o": [], "o2s": []}
             for _ in range(args.repeat):
-                runs["cp_s"].append(timed_shell(f"cp -r {base} {copy}"))
-                shutil.rmtree(copy)
-                runs["cp_sync_s"].append(timed_shell(f"cp -r {base} {copy} && sync"))
-                shutil.rmtree(copy)
-                runs["s2o"].append(_convert("safetensors-to-orbax", base, orbax, *opts))
-                runs["o2s"].append(_convert("orbax-to-safetensors", orbax, back, *opts))
-                print(f"  cp {runs['cp_s'][-1]:.1f} s, cp + sync {runs['cp_sync_s'][-1]:.1f} s, s2o "
-                      f"{runs['s2o'][-1]['wall_s']:.1f} s, o2s {runs['o2s'][-1]['wall_s']:.1f} s", flush=True)
+                for p in (orbax, back):  # the disk holds the base, its half and one conversion's outputs at a time
+                    shutil.rmtree(p, ignore_errors=True)
                 if k == args.layers[0]:  # the same model with half the embedding, in the same alternation
                     halves["s2o"].append(_convert("safetensors-to-orbax", half, orbax + ".half", *opts))
                     halves["o2s"].append(_convert("orbax-to-safetensors", orbax + ".half", back + ".half", *opts))
                     shutil.rmtree(orbax + ".half")
                     shutil.rmtree(back + ".half")
+                runs["cp_s"].append(timed_shell(f"cp -r {base} {copy}"))
+                shutil.rmtree(copy)
+                runs["cp_sync_s"].append(timed_shell(f"cp -r {base} {copy} && sync"))
+                shutil.rmtree(copy)
+                line = f"  cp {runs['cp_s'][-1]:.1f} s, cp + sync {runs['cp_sync_s'][-1]:.1f} s"
+                for name, (pin, flags) in CONFIGS.items():
+                    runs[name]["s2o"].append(_convert("safetensors-to-orbax", base, orbax, *opts, *flags, pin=pin))
+                    shutil.rmtree(back, ignore_errors=True)
+                    runs[name]["o2s"].append(_convert("orbax-to-safetensors", orbax, back, *opts, *flags, pin=pin))
+                    line += (f"; {name}: s2o {runs[name]['s2o'][-1]['wall_s']:.1f} s, "
+                             f"o2s {runs[name]['o2s'][-1]['wall_s']:.1f} s")
+                print(line, flush=True)
             row["runs"] = runs
             row["cp_s"], row["cp_sync_s"] = statistics.median(runs["cp_s"]), statistics.median(runs["cp_sync_s"])
-            row["s2o"], row["o2s"] = _median(runs["s2o"]), _median(runs["o2s"])
+            row["configs"] = {c: {d: _median(runs[c][d]) for d in ("s2o", "o2s")} for c in CONFIGS}
+            row["s2o"], row["o2s"] = row["configs"]["all cores"]["s2o"], row["configs"]["all cores"]["o2s"]
             row["orbax_bytes"] = dir_bytes(orbax)
             row["round_trip_identical"] = subprocess.run(
                 [sys.executable, "-m", "ckptbridge", "verify", "tensors", base, back], capture_output=True).returncode == 0
@@ -120,17 +138,22 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"{'k':>2} {'base GiB':>8} {'cp s':>6} {'cp+sync':>7} | {'s2o s':>6} {'x cp+sync':>9} {'RSS MB':>6} | "
-          f"{'o2s s':>6} {'x cp+sync':>9} {'RSS MB':>6} | {'orbax GiB':>9} | no compression: {'s2o s':>6} "
-          f"{'o2s s':>6} {'orbax GiB':>9}")
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])} ({len(os.sched_getaffinity(0))} cores)")
+    print(f"{'k':>2} {'base GiB':>8} {'cp s':>6} {'cp+sync':>7} | {'how':<22} | {'s2o s':>6} {'x cp+sync':>9} "
+          f"{'RSS MB':>6} {'CPU s':>6} | {'o2s s':>6} {'x cp+sync':>9} {'RSS MB':>6} {'CPU s':>6}")
     for r in rows:
-        s, o, sn, on = r["s2o"], r["o2s"], r["s2o_nc"], r["o2s_nc"]
-        print(f"{r['layers']:>2} {r['base_bytes'] / 2**30:>8.2f} {r['cp_s']:>6.2f} {r['cp_sync_s']:>7.2f} | "
-              f"{s['wall_s']:>6.2f} {s['wall_s'] / r['cp_sync_s']:>9.2f} {s['peak_rss_mb']:>6.0f} | "
-              f"{o['wall_s']:>6.2f} {o['wall_s'] / r['cp_sync_s']:>9.2f} {o['peak_rss_mb']:>6.0f} | "
-              f"{r['orbax_bytes'] / 2**30:>9.2f} | {'':>16}{sn['wall_s']:>6.2f} {on['wall_s']:>6.2f} "
-              f"{r['orbax_nc_bytes'] / 2**30:>9.2f}")
+        for n, (name, c) in enumerate(r["configs"].items()):
+            s, o = c["s2o"], c["o2s"]
+            head = (f"{r['layers']:>2} {r['base_bytes'] / 2**30:>8.2f} {r['cp_s']:>6.2f} {r['cp_sync_s']:>7.2f}"
+                    if not n else " " * 26)
+            print(f"{head} | {name:<22} | {s['wall_s']:>6.2f} {s['wall_s'] / r['cp_sync_s']:>9.2f} "
+                  f"{s['peak_rss_mb']:>6.0f} {s['user_s'] + s['sys_s']:>6.1f} | {o['wall_s']:>6.2f} "
+                  f"{o['wall_s'] / r['cp_sync_s']:>9.2f} {o['peak_rss_mb']:>6.0f} {o['user_s'] + o['sys_s']:>6.1f}")
+        one, every = r["configs"]["1 core"], r["configs"]["all cores"]
+        print(f"   1 core -> all cores: s2o {one['s2o']['wall_s'] / every['s2o']['wall_s']:.2f}x, "
+              f"o2s {one['o2s']['wall_s'] / every['o2s']['wall_s']:.2f}x the rate")
+        print(f"   no compression: s2o {r['s2o_nc']['wall_s']:.2f} s, o2s {r['o2s_nc']['wall_s']:.2f} s; Orbax "
+              f"{r['orbax_bytes'] / 2**30:.2f} GiB, {r['orbax_nc_bytes'] / 2**30:.2f} GiB uncompressed")
         print(f"   round trip bit-identical (verify tensors): {r['round_trip_identical']}")
     first = rows[0]
     print(f"embedding {flat['vocab']} -> {first['vocab']} rows (k={first['layers']}): peak RSS s2o "

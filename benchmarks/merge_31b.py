@@ -11,7 +11,8 @@ is the process's high-water mark, VmHWM), after ``sync`` so that no contender pa
   alternating with ``ckptbridge merge`` three times (medians: the disk's writeback state moves
   a lot between runs);
 * reading the base once (``cat > /dev/null``; the page cache is warm for every contender alike);
-* ``ckptbridge merge BASE ADAPTER DST``;
+* ``ckptbridge merge BASE ADAPTER DST``, three ways (``CONFIGS``): on every core with the default
+  ``--workers``, on every core with ``--workers 1``, and pinned to one core with ``taskset``;
 * PEFT: ``AutoModelForCausalLM.from_pretrained`` (bf16) + ``PeftModel.from_pretrained`` +
   ``merge_and_unload()`` + ``save_pretrained``; its merged weights are compared with ours;
 * ``ckptbridge convert safetensors-to-orbax`` of the base and ``orbax-to-safetensors`` back.
@@ -37,6 +38,10 @@ sys.path.insert(0, ROOT)
 GEMMA4_31B = dict(vocab_size=262144, hidden_size=5376, intermediate_size=21504,
                   num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
                   num_global_key_value_heads=4, sliding_window=1024)
+
+# How each merge runs: (CPUs it is pinned to with taskset, or None for all; extra flags).
+# Pinned to one core, the default --workers is 1 (the usable cores).
+CONFIGS = {"all cores": (None, []), "all cores, --workers 1": (None, ["--workers", "1"]), "1 core": ("0", [])}
 
 RUN = r"""
 import json, sys, time
@@ -66,10 +71,12 @@ print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": hwm / 1024}
 """
 
 
-def measure(*args: str) -> dict:
+def measure(*args: str, pin: str | None = None) -> dict:
+    """One contender in a fresh process after ``sync``, pinned to the CPUs ``pin`` (taskset) when given."""
     subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True)
+    taskset = ["taskset", "-c", pin] if pin is not None else []
+    out = subprocess.run([*taskset, sys.executable, "-c", RUN, *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{args[0]} failed:\n{out.stderr[-3000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -127,6 +134,8 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=128.0)
     ap.add_argument("--repeat", type=int, default=3, help="runs of cp, cp + sync and merge, alternating (median)")
     ap.add_argument("--no-peft", action="store_true", help="skip PEFT's merge_and_unload (needs ~3x the model in RAM)")
+    ap.add_argument("--no-convert", action="store_true", help="skip the conversions (benchmarks/convert_31b.py "
+                    "measures them in full)")
     ap.add_argument("--out", help="write results JSON here")
     ap.add_argument("--dir", help="work in this directory (default: the system's temporary one; needs ~3.5x the "
                     "base free)")
@@ -147,20 +156,24 @@ def main() -> None:
             row = {"layers": k, "base_bytes": size, "adapter_bytes": dir_bytes(adapter)}
             row["read_once_s"] = timed_shell(f"cat {base}/*.safetensors > /dev/null")
             merged = os.path.join(work, "merged")
-            runs: dict[str, list] = {"cp_s": [], "cp_sync_s": [], "merge": []}
-            for i in range(args.repeat):  # alternating, median of each: the disk's state moves between runs
+            runs: dict = {"cp_s": [], "cp_sync_s": [], **{c: [] for c in CONFIGS}}
+            for _ in range(args.repeat):  # alternating, median of each: the disk's state moves between runs
                 runs["cp_s"].append(timed_shell(f"cp -r {base} {base}.cp"))
                 shutil.rmtree(base + ".cp")
                 runs["cp_sync_s"].append(timed_shell(f"cp -r {base} {base}.cp && sync"))
                 shutil.rmtree(base + ".cp")
-                if i:
-                    shutil.rmtree(merged)
-                runs["merge"].append(measure("ckptbridge", "merge", base, adapter, merged))
+                for name, (pin, flags) in CONFIGS.items():
+                    shutil.rmtree(merged, ignore_errors=True)
+                    runs[name].append(measure("ckptbridge", "merge", base, adapter, merged, *flags, pin=pin))
             row["runs"] = runs
             row["cp_s"], row["cp_sync_s"] = statistics.median(runs["cp_s"]), statistics.median(runs["cp_sync_s"])
-            row["merge"] = {k: statistics.median(r[k] for r in runs["merge"]) for k in runs["merge"][0]}
-            print(f"  cp {row['cp_s']:.1f} s, cp + sync {row['cp_sync_s']:.1f} s, merge {row['merge']['wall_s']:.1f} s, "
-                  f"{row['merge']['peak_rss_mb']:.0f} MB (medians of {args.repeat})", flush=True)
+            row["configs"] = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]} for c in CONFIGS}
+            row["merge"] = row["configs"]["all cores"]
+            print(f"  cp {row['cp_s']:.1f} s, cp + sync {row['cp_sync_s']:.1f} s, merge " + ", ".join(
+                f"{c}: {m['wall_s']:.1f} s = {m['wall_s'] / row['cp_sync_s']:.2f}x cp + sync, {m['peak_rss_mb']:.0f} MB"
+                for c, m in row["configs"].items()) + f" (medians of {args.repeat})", flush=True)
+            one, every = row["configs"]["1 core"], row["configs"]["all cores"]
+            print(f"  1 core -> all cores: merge {one['wall_s'] / every['wall_s']:.2f}x the rate", flush=True)
             if not args.no_peft:
                 peft_out = os.path.join(work, "peft")
                 row["peft"] = measure("peft", base, adapter, peft_out)
@@ -168,6 +181,9 @@ def main() -> None:
                 row["ours_vs_peft"] = compare_merged(merged, peft_out, base)
                 shutil.rmtree(peft_out)
             shutil.rmtree(merged)
+            rows.append(row)
+            if args.no_convert:
+                continue
             orbax, back = os.path.join(work, "orbax"), os.path.join(work, "back")
             row["s2o"] = measure("ckptbridge", "convert", "safetensors-to-orbax", base, orbax)
             row["orbax_bytes"] = dir_bytes(orbax)
@@ -175,12 +191,16 @@ def main() -> None:
             print(f"  s2o {row['s2o']['wall_s']:.1f} s, o2s {row['o2s']['wall_s']:.1f} s", flush=True)
             row["round_trip_identical"] = subprocess.run(
                 [sys.executable, "-m", "ckptbridge", "verify", "tensors", base, back], capture_output=True).returncode == 0
-            for p in (orbax, back) if args.keep else (orbax, back, base, adapter):
+            for p in (orbax, back):
                 shutil.rmtree(p)
-            rows.append(row)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    if args.no_convert:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"rank": args.rank, "rows": rows}, f, indent=2)
+        return
 
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"{'k':>2} {'base GiB':>8} {'cp s':>6} {'cp+sync':>7} {'read':>5} | {'merge s':>7} {'x cp':>5} "

@@ -6,6 +6,7 @@ accelerator), stream module by module, and write atomically.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,6 +29,7 @@ from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_versio
 from ckptbridge.options import KV_MODES, TARGETS
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
+from ckptbridge.stream import Parts, Shared, engine_for
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,21 @@ def _step_of(ad: lora.OrbaxLora) -> int | None:
     return int(name) if name.isdigit() else None
 
 
+def _padded(a: np.ndarray, b: np.ndarray, sc: Scaling, pad_to: int | None,
+            fold_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """A PEFT pair padded to rank ``pad_to`` with its scale folded into B as ``fold_scale`` (vLLM
+    takes one rank and alpha), or as it is."""
+    if pad_to is None or fold_scale is None or (sc.rank >= pad_to and sc.scale == fold_scale):
+        return a, b
+    dtype = a.dtype
+    a = np.concatenate([a, np.zeros((pad_to - sc.rank, a.shape[1]), dtype)])
+    scaled = b.astype(np.float32) * np.float32(sc.scale / fold_scale)
+    return a, np.concatenate([scaled.astype(dtype), np.zeros((b.shape[0], pad_to - sc.rank), dtype)], axis=1)
+
+
 def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = None, alpha: float | None = None,
                           target: str = "hf", base_id: str | None = None, overwrite: bool = False,
+                          workers: int | None = None, memory_budget: str | int | None = None,
                           progress: bool | None = None, revision: str | None = None) -> PeftExportReport:
     """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``
     + a model card ``README.md``).
@@ -110,7 +125,9 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     ``target="vllm"`` also writes, on k_eq_v layers, the k_proj factors as v_proj (vLLM applies
     V's LoRA separately) and makes rank/alpha uniform (vLLM ignores rank/alpha patterns).
     ``base_id`` is the base's Hub id for the adapter config and model card (default: found from
-    a Hub cache path or the base's config; else the base's local path is recorded).
+    a Hub cache path or the base's config; else the base's local path is recorded). Factors are
+    read and converted in batches on ``workers`` threads (default: every usable core) ahead of the
+    writer, within ``memory_budget`` bytes (default 256 MiB); the files do not depend on either.
     """
     t0 = time.perf_counter()
     options.choice("target", target, TARGETS)
@@ -121,7 +138,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     base_id = model_card.hub_id(b.path, base_id)
     mismatch = specs.note_mismatch(b.cfg)
     warnings: list[str] = []
-    with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
+    with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad, contextlib.ExitStack() as stack:
         # every HF module that gets factors: (name, module, index into the module's pairs, scaling)
         plan: list[tuple[str, LoraModule, int, Scaling]] = []
         for mod, sc in ad.scaling.items():
@@ -156,32 +173,29 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         for w in warnings:
             log.warning(w)
 
-        cache: dict = {}
-
-        def pair(mod: LoraModule, i: int, sc: Scaling) -> tuple[np.ndarray, np.ndarray]:
-            if cache.get("mod") is not mod:
-                cache.clear()
-                cache["mod"], cache["pairs"] = mod, lora.tunix_to_peft(mod, *ad.factors(mod))
-            a, b_ = cache["pairs"][i]
-            if pad_to is not None and fold_scale is not None and (sc.rank < pad_to or sc.scale != fold_scale):
-                dtype = a.dtype
-                a = np.concatenate([a, np.zeros((pad_to - sc.rank, a.shape[1]), dtype)])
-                scaled = b_.astype(np.float32) * np.float32(sc.scale / fold_scale)
-                b_ = np.concatenate([scaled.astype(dtype), np.zeros((b_.shape[0], pad_to - sc.rank), dtype)], axis=1)
-            return a, b_
-
-        def factor(mod: LoraModule, i: int, sc: Scaling, which: int) -> np.ndarray:
-            return pair(mod, i, sc)[which]
-
-        tensors = []
+        by_module: dict[LoraModule, list[tuple[str, int, Scaling]]] = {}
         for name, mod, i, sc in plan:
-            rank = pad_to or sc.rank
-            shapes = mod.shapes(rank)
-            dtype = ad.dtype(mod)
-            tensors.append(PlannedTensor(lora.factor_key(name, "A"), dtype, shapes["a_peft"],
-                                         functools.partial(factor, mod, i, sc, 0)))
-            tensors.append(PlannedTensor(lora.factor_key(name, "B"), dtype, shapes["b_peft"],
-                                         functools.partial(factor, mod, i, sc, 1)))
+            by_module.setdefault(mod, []).append((name, i, sc))
+
+        def peft_parts(batch: list[LoraModule]) -> list[tuple[str, np.ndarray]]:
+            """The PEFT factors of the modules of ``batch``, in the order they are written."""
+            parts = []
+            for mod, factors in ad.read_batch(batch).items():
+                pairs = lora.tunix_to_peft(mod, *factors)
+                for name, i, sc in by_module[mod]:
+                    a, b_ = _padded(*pairs[i], sc, pad_to, fold_scale)
+                    parts += [(lora.factor_key(name, "A"), a), (lora.factor_key(name, "B"), b_)]
+            return parts
+
+        engine = stack.enter_context(engine_for(workers, memory_budget, name="o2p"))
+        parts = Parts(engine.stream((sum(ad.module_bytes(m) for m in batch), functools.partial(peft_parts, batch))
+                                    for batch in ad.batches()))
+        tensors = []
+        for name, mod, _, sc in plan:
+            shapes = mod.shapes(pad_to or sc.rank)
+            for which, shape in (("A", shapes["a_peft"]), ("B", shapes["b_peft"])):
+                key = lora.factor_key(name, which)
+                tensors.append(PlannedTensor(key, ad.dtype(mod), shape, functools.partial(parts.take, key)))
         names = [name for name, _, _, _ in plan]
         dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
         config = lora.export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
@@ -284,11 +298,13 @@ def _module_factors(ad: lora.PeftLora, mod: LoraModule,
 
 
 def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", step: int = 0,
-                          overwrite: bool = False, progress: bool | None = None,
-                          revision: str | None = None) -> OrbaxLoraReport:
+                          overwrite: bool = False, workers: int | None = None, memory_budget: str | int | None = None,
+                          progress: bool | None = None, revision: str | None = None) -> OrbaxLoraReport:
     """PEFT adapter -> Tunix checkpoint root ``DST/<step>/model_params`` with the qwix rules that
-    rebuild the matching LoRA model in the step's custom metadata. ``src`` and ``base`` may be Hub
-    ids (``revision``: the base's branch, tag or commit)."""
+    rebuild the matching LoRA model in the step's custom metadata. Modules are converted on
+    ``workers`` threads (default: every usable core) while earlier ones are written, within
+    ``memory_budget`` bytes (default 256 MiB). ``src`` and ``base`` may be Hub ids (``revision``:
+    the base's branch, tag or commit)."""
     t0 = time.perf_counter()
     deps.require("orbax")
     options.choice("kv", kv, KV_MODES)
@@ -306,18 +322,18 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
                 f"{src}: LoRA on {', '.join(names)} (target_parameters, {len(ad.params)} in all): Tunix's experts are "
                 "raw parameters that qwix puts no LoRA on; merge the adapter into the base instead (ckptbridge merge)")
         plans = {m: _plan_module(ad, m, kv) for m in b.modules if any(n in ad.keys for n in m.hf_modules)}
-        cache: dict = {}
         errors: dict[str, float] = {}
 
-        def factors(mod: LoraModule) -> tuple:
-            if cache.get("mod") is not mod:
-                cache["mod"], cache["value"] = mod, _module_factors(ad, mod, plans[mod])
-                if cache["value"][2] is not None:
-                    errors["/".join(mod.path)] = cache["value"][2]
-            return cache["value"]
+        def made(mod: LoraModule) -> tuple:
+            value = _module_factors(ad, mod, plans[mod])
+            if value[2] is not None:
+                errors["/".join(mod.path)] = value[2]
+            return value
+
+        shared = {mod: Shared(functools.partial(made, mod), uses=2) for mod in plans}  # for its A and B leaves
 
         def factor(mod: LoraModule, which: int) -> np.ndarray:
-            return factors(mod)[which]
+            return shared[mod].get()[which]
 
         flat = {}
         for mod, plan in plans.items():
@@ -335,8 +351,8 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         bar = Progress(total, "peft -> orbax", enabled=progress)
         for leaf in flat.values():
             leaf.on_written = bar.update
-        with atomic_directory(dst, overwrite) as tmp:
-            orbax_io.save_manager_step(tmp, step, orbax_io.nest(flat), meta)
+        with atomic_directory(dst, overwrite) as tmp, engine_for(workers, memory_budget, name="p2o") as engine:
+            orbax_io.save_manager_step(tmp, step, orbax_io.nest(flat), meta, engine=engine)
         bar.close()
         return OrbaxLoraReport(
             direction="peft-to-orbax", source=src, destination=dst, step=step, family=b.spec.name,

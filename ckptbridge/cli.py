@@ -30,6 +30,7 @@ from ckptbridge.errors import CkptBridgeError
 from ckptbridge.options import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_MEMORY_BUDGET,
     EXACT_TOLERANCE,
     KV_MODES,
     LIVE_TOLERANCE,
@@ -38,6 +39,7 @@ from ckptbridge.options import (
     TARGETS,
     parse_size,
 )
+from ckptbridge.stream import usable_cores
 
 EPILOG = ("Exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, "
           "8 config, 1 internal.")
@@ -82,6 +84,11 @@ def _size(args, name: str) -> int:
         raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
 
 
+def _parallel(args) -> dict:
+    """The library's ``workers`` and ``memory_budget`` from ``--workers`` and ``--memory-budget``."""
+    return {"workers": args.workers, "memory_budget": _size(args, "memory_budget")}
+
+
 def _revision_option(sp, first: str) -> None:
     """``--revision`` of a verb whose inputs may be Hub ids; the library resolves them (the first,
     ``first``, at this revision)."""
@@ -96,7 +103,7 @@ def cmd_s2o(args) -> int:
     _emit(args, convert_safetensors_to_orbax(args.src, args.dst, overwrite=args.overwrite,
                                              skip_multimodal=args.skip_multimodal, tunix_version=args.tunix_version,
                                              chunk_size=_size(args, "chunk_size"), compression=not args.no_compression,
-                                             progress=_progress(args), revision=args.revision))
+                                             **_parallel(args), progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -106,7 +113,7 @@ def cmd_o2s(args) -> int:
     _emit(args, convert_orbax_to_safetensors(args.src, args.dst, config=args.config,
                                              max_shard_size=_size(args, "max_shard_size"), step=args.step,
                                              overwrite=args.overwrite, chunk_size=_size(args, "chunk_size"),
-                                             progress=_progress(args)))
+                                             **_parallel(args), progress=_progress(args)))
     return 0
 
 
@@ -115,7 +122,7 @@ def cmd_o2p(args) -> int:
 
     _emit(args, convert_orbax_to_peft(args.src, args.dst, base=args.base, step=args.step, alpha=args.alpha,
                                       target=args.target, base_id=args.base_id, overwrite=args.overwrite,
-                                      progress=_progress(args), revision=args.revision))
+                                      **_parallel(args), progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -123,7 +130,8 @@ def cmd_p2o(args) -> int:
     from ckptbridge.adapters import convert_peft_to_orbax
 
     _emit(args, convert_peft_to_orbax(args.src, args.dst, base=args.base, kv=args.kv, step=args.step,
-                                      overwrite=args.overwrite, progress=_progress(args), revision=args.revision))
+                                      overwrite=args.overwrite, **_parallel(args), progress=_progress(args),
+                                      revision=args.revision))
     return 0
 
 
@@ -132,7 +140,7 @@ def cmd_merge(args) -> int:
 
     _emit(args, merge_lora(args.base, args.adapter, args.dst, step=args.step, alpha=args.alpha,
                            max_shard_size=_size(args, "max_shard_size"), base_id=args.base_id, overwrite=args.overwrite,
-                           progress=_progress(args), revision=args.revision))
+                           **_parallel(args), progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -225,6 +233,16 @@ def _chunk_size_option(sp, what: str) -> None:
                     help=f"{what} (default {DEFAULT_CHUNK_SIZE})")
 
 
+def _parallel_options(sp, what: str) -> None:
+    """``--workers`` and ``--memory-budget`` of a converting verb."""
+    sp.add_argument("--workers", type=int, metavar="N",
+                    help=f"threads that {what} (default: every core this process may use, {usable_cores()} here; "
+                    "the output does not depend on it)")
+    sp.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
+                    help=f"bytes of pieces read, computed or being written at once, over all workers (default "
+                    f"{DEFAULT_MEMORY_BUDGET}: peak memory within 1.5 GB at 31B scale; at least one chunk)")
+
+
 def _target_option(sp, what: str) -> None:
     sp.add_argument("--target", choices=TARGETS, default=TARGETS[0], help=what)
 
@@ -263,6 +281,7 @@ def add_s2o(csub) -> None:
                            "chunk each, as Orbax stores them)")
     sp.add_argument("--no-compression", action="store_true",
                     help="store the chunks without zstd: faster to write and read, larger on disk")
+    _parallel_options(sp, "read and rearrange row blocks while TensorStore encodes and writes earlier ones")
     _revision_option(sp, "SRC")
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_s2o)  # huge pages: large TensorStore buffers
@@ -285,6 +304,7 @@ def add_o2s(csub) -> None:
     _step_option(sp)
     _chunk_size_option(sp, "a tensor larger than this is read, rearranged and written in blocks of about this size "
                            "(whole stored chunks: a checkpoint stored in larger chunks is read a chunk at a time)")
+    _parallel_options(sp, "read, decode and rearrange leaves and blocks ahead of the writer")
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_o2s)
 
@@ -304,6 +324,7 @@ def add_o2p(csub) -> None:
     _target_option(sp, "hf: for transformers/PEFT (default); vllm: also repeat k_proj LoRA as v_proj on k_eq_v "
                        "layers and make rank/alpha uniform")
     _base_id_option(sp)
+    _parallel_options(sp, "read and convert batches of factors ahead of the writer")
     _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(extra="orbax", func=cmd_o2p)
@@ -324,6 +345,7 @@ def add_p2o(csub) -> None:
                     help="k/v with different lora_A: exact (default) stacks them at rank r_k + r_v; svd keeps "
                     "rank r with the best shared A and reports the error")
     _step_option(sp, "step number to write (default 0)", default=0)
+    _parallel_options(sp, "convert modules while earlier ones are written")
     _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(extra="orbax", func=cmd_p2o)
@@ -342,6 +364,7 @@ def add_merge(sub) -> None:
     _orbax_lora_options(sp)
     _max_shard_size_option(sp)
     _base_id_option(sp)
+    _parallel_options(sp, "compute merged row blocks ahead of the writer")
     _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(func=cmd_merge)

@@ -7,14 +7,11 @@ destination and rename it into place at the end.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -31,6 +28,7 @@ from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
 from ckptbridge.specs.base import tunix_version_key
+from ckptbridge.stream import Job, Parts, engine_for
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -98,20 +96,25 @@ def _per_block(blocks: mapping.Blocks, nbytes: int, chunk_bytes: int) -> int:
 
 
 def _leaf(source: HFSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyArray:
-    """The Orbax leaf of ``e``: whole, or in row blocks of at most ``chunk_bytes`` when larger."""
+    """The Orbax leaf of ``e``: whole, or in row blocks of at most ``chunk_bytes`` when larger
+    (each block read and rearranged on its own, on any worker). The rearranged copy is ours, tiled
+    (``layout.transpose_copy``): handing TensorStore strided views to copy while encoding instead
+    took 18-19 s of user CPU for a 31B-width k = 4 base against 12-14 s (docs/benchmarks.md)."""
     dtype = source.dtype(e)
     nbytes = int(np.prod(e.tunix_shape, dtype=np.int64)) * dtype.itemsize
     blocks = mapping.blocks(e)
     if blocks is None or nbytes <= chunk_bytes:
-        return orbax_io.LazyArray(e.tunix_shape, dtype, produce=lambda: source.tunix_value(e))
+        return orbax_io.LazyArray(e.tunix_shape, dtype, produce=functools.partial(source.tunix_value, e))
     per = _per_block(blocks, nbytes, chunk_bytes)
-    return orbax_io.LazyArray(e.tunix_shape, dtype, chunks=blocks.tunix_block_shape(per),
-                              blocks=lambda: source.tunix_blocks(blocks, blocks.ranges(per)))
+    pieces = [(blocks.tunix_region(i, j), functools.partial(source.tunix_block, blocks, i, j))
+              for i, j in blocks.ranges(per)]
+    return orbax_io.LazyArray(e.tunix_shape, dtype, chunks=blocks.tunix_block_shape(per), pieces=pieces)
 
 
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
                                  skip_multimodal: bool = False, tunix_version: str | None = None,
                                  chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
+                                 workers: int | None = None, memory_budget: str | int | None = None,
                                  progress: bool | None = None, revision: str | None = None) -> SafetensorsToOrbaxReport:
     """HF model directory -> Orbax checkpoint of the Tunix nnx state (nested dict, source dtypes).
 
@@ -120,8 +123,11 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     checkpoint's metadata. A tensor larger than ``chunk_size`` is read, rearranged and written
     in row blocks of at most that size, each one chunk of the stored array, so memory stays a
     few chunks however large the tensor; smaller ones are one chunk each, as Orbax writes them.
-    ``compression=False`` stores the chunks without zstd (faster, larger). ``src`` may be a Hub
-    id (``revision``: its branch, tag or commit).
+    ``compression=False`` stores the chunks without zstd (faster, larger). Blocks are read and
+    rearranged on ``workers`` threads (default: every usable core) while TensorStore encodes and
+    writes earlier ones, with at most ``memory_budget`` bytes of them (default 256 MiB) made and
+    not yet stored; the checkpoint does not depend on either. ``src`` may be a Hub id
+    (``revision``: its branch, tag or commit).
     """
     t0 = time.perf_counter()
     deps.require("orbax")
@@ -134,7 +140,9 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     target = tunix_version or installed_tunix_version()
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
-    with open_hf_source(src, skip_multimodal=skip_multimodal) as source:
+    with open_hf_source(src, skip_multimodal=skip_multimodal) as source, \
+            engine_for(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
+                       name="s2o") as engine:
         mismatch = specs.note_mismatch(source.cfg)
         flat = {e.tunix_path: _leaf(source, e, chunk_bytes)
                 for e in mapping.for_tunix_version(source.entries, target)}
@@ -145,7 +153,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
         assets = source.model.asset_files()
         with atomic_directory(dst, overwrite) as tmp:
             writer = orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target),
-                                        compression=compression, ahead_bytes=2 * chunk_bytes)
+                                        compression=compression, engine=engine)
             if assets:
                 copy_assets(assets, source.model.path, storage.join(tmp, ASSETS_DIR))
         bar.close()
@@ -157,90 +165,67 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
             seconds=round(time.perf_counter() - t0, 3))
 
 
-def _converted_ahead(pool: ThreadPoolExecutor, blocks: mapping.Blocks, boxes) -> Iterator[np.ndarray]:
-    """The HF row blocks of ``boxes`` (``(i, j, box)`` in order), each waited for and rearranged
-    on ``pool`` (one thread) while the caller writes the one before."""
-    it = iter(boxes)
-
-    def job() -> np.ndarray | None:
-        item = next(it, None)
-        return None if item is None else blocks.to_hf(item[2], item[0], item[1])
-
-    pending = [pool.submit(job)]
-    while True:
-        block = pending.pop(0).result()
-        if block is None:
-            return
-        pending.append(pool.submit(job))
-        yield block
-        del block
+Part = tuple[str, np.ndarray]  # an HF key and values of it: the whole tensor or a run of its rows
 
 
-def _hf_tensors(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int,
-                pool: ThreadPoolExecutor) -> list[PlannedTensor]:
-    """The HF tensors of ``e`` to write: from the whole leaf, or from boxes of it of about
-    ``chunk_bytes`` (whole stored chunks) when it is larger and can be read in boxes."""
-    dtype = source.dtype(e)
-    blocks = mapping.blocks(e) if source.nbytes(e) > chunk_bytes else None
+def _whole_parts(source: OrbaxSource, e: mapping.Entry) -> list[Part]:
+    return list(zip(e.hf_keys, mapping.tunix_to_hf(e, source.tunix_value(e))))
+
+
+def _box_parts(source: OrbaxSource, blocks: mapping.Blocks, i: int, j: int) -> list[Part]:
+    hf = blocks.to_hf(source.tunix_box(blocks, i, j), i, j)
+    keys = blocks.entry.hf_keys
+    if not blocks.keyed:  # rows of the one HF tensor
+        return [(keys[0], hf)]
+    return [(keys[n], hf[n - i]) for n in range(i, j)]  # one HF tensor per index
+
+
+def _o2s_jobs(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int) -> tuple[list[Job], dict[str, int]]:
+    """The jobs that make the HF tensors of ``e`` (in write order) and the parts each HF key is
+    written from: the whole leaf, or boxes of about ``chunk_bytes`` (whole stored chunks) when it
+    is larger and can be read in boxes (then one part per box for a single HF tensor)."""
+    nbytes = source.nbytes(e)
+    blocks = mapping.blocks(e) if nbytes > chunk_bytes else None
     ranges = source.block_ranges(blocks, chunk_bytes) if blocks is not None else None
     if blocks is None or ranges is None or len(ranges) < 2:
-        cache: dict = {}
-
-        def whole(i: int) -> np.ndarray:
-            if "values" not in cache:
-                cache["values"] = mapping.tunix_to_hf(e, source.tunix_value(e))
-            out = cache["values"][i]
-            if i == len(e.hf_keys) - 1:  # written in order: the last one frees the leaf
-                cache.clear()
-            return out
-
-        return [PlannedTensor(key, dtype, e.hf_shape, functools.partial(whole, i)) for i, key in enumerate(e.hf_keys)]
-    found: mapping.Blocks = blocks
-    if not found.keyed:  # one HF tensor, written as its row blocks come
-        def rows() -> Iterator[np.ndarray]:
-            return _converted_ahead(pool, found, source.tunix_blocks(found, ranges))
-
-        return [PlannedTensor(e.hf_keys[0], dtype, e.hf_shape, chunks=rows)]
-    # one HF tensor per index: each from the block that holds it, blocks read in order
-    state: dict = {"it": None, "block": None}
-
-    def key_tensor(n: int) -> np.ndarray:
-        block = state["block"]
-        if block is None or not block[0] <= n < block[1]:
-            if state["it"] is None:
-                state["it"] = source.tunix_blocks(found, ranges)
-            state["block"] = None
-            i, j, box = next(state["it"])
-            if not i <= n < j:
-                raise RuntimeError(f"{e.tunix_name}: index {n} requested out of order")
-            block = state["block"] = (i, j, found.to_hf(box, i, j))
-            del box
-        out = block[2][n - block[0]]
-        if n + 1 == block[1]:
-            state["block"] = None
-        return out
-
-    return [PlannedTensor(key, dtype, e.hf_shape, functools.partial(key_tensor, n)) for n, key in enumerate(e.hf_keys)]
+        return [(nbytes, functools.partial(_whole_parts, source, e))], dict.fromkeys(e.hf_keys, 1)
+    jobs: list[Job] = [(nbytes * (j - i) // blocks.count, functools.partial(_box_parts, source, blocks, i, j))
+                       for i, j in ranges]
+    return jobs, ({e.hf_keys[0]: len(ranges)} if not blocks.keyed else dict.fromkeys(e.hf_keys, 1))
 
 
 def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = None,
                                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                                  step: int | None = None, overwrite: bool = False,
-                                 chunk_size: str | int = DEFAULT_CHUNK_SIZE,
+                                 chunk_size: str | int = DEFAULT_CHUNK_SIZE, workers: int | None = None,
+                                 memory_budget: str | int | None = None,
                                  progress: bool | None = None) -> OrbaxToSafetensorsReport:
     """Orbax weights checkpoint -> HF model directory (sharded safetensors + index, config.json,
     and the non-weight files stored with the checkpoint or next to ``config``). A leaf larger
     than ``chunk_size`` is read, rearranged and written in boxes of about that size (whole
-    stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor)."""
+    stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor). Leaves
+    and boxes are read, decoded and rearranged on ``workers`` threads (default: every usable core)
+    ahead of the writer, holding at most ``memory_budget`` bytes of them (default 256 MiB); the
+    files written do not depend on either."""
     t0 = time.perf_counter()
     chunk_bytes = options.size("chunk_size", chunk_size)
     shard_bytes = options.size("max_shard_size", max_shard_size)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
-    with open_orbax_source(src, config=config, step=step) as source, contextlib.ExitStack() as stack:
+    with open_orbax_source(src, config=config, step=step) as source, \
+            engine_for(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
+                       name="o2s") as engine:
         mismatch = specs.note_mismatch(source.cfg)
-        source.read_ahead_max = chunk_bytes
-        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="o2s"))
-        planned = [t for e in source.entries for t in _hf_tensors(source, e, chunk_bytes, pool)]
+        jobs: list[Job] = []
+        tensors: list[tuple[mapping.Entry, str, int]] = []  # (entry, HF key, parts it is written from)
+        for e in source.entries:
+            e_jobs, counts = _o2s_jobs(source, e, chunk_bytes)
+            jobs += e_jobs
+            tensors += [(e, key, n) for key, n in counts.items()]
+        parts: Parts = Parts(engine.stream(jobs))
+        planned = [PlannedTensor(key, source.dtype(e), e.hf_shape, functools.partial(parts.take, key)) if n == 1
+                   else PlannedTensor(key, source.dtype(e), e.hf_shape,
+                                      chunks=functools.partial(parts.take_many, key, n))
+                   for e, key, n in tensors]
         stored_assets = storage.join(source.ckpt.path, ASSETS_DIR)
         files = write_model_directory(
             dst, planned, source.cfg.hf_config, shard_bytes,

@@ -6,8 +6,11 @@ from __future__ import annotations
 from ckptbridge.errors import ConfigError
 
 # Tensors larger than this are converted in row blocks of at most this size (one Orbax chunk each).
-DEFAULT_CHUNK_SIZE = "128MiB"
+DEFAULT_CHUNK_SIZE = "32MiB"
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # largest safetensors shard written
+# Bytes of pieces (row blocks, tensors, factors) read, computed or being written at once, over all
+# workers of a conversion; the default keeps a 31B conversion's peak RSS within 1.5 GB.
+DEFAULT_MEMORY_BUDGET = "256MiB"
 TARGETS = ("hf", "vllm")  # where an exported or checked adapter runs: transformers/PEFT, or vLLM
 KV_MODES = ("exact", "svd")  # PEFT k/v factors with different A's -> one qwix A: stacked, or best shared
 LOGITS_TOLERANCE = 1e-5  # largest relative L2 of transformers vs Tunix logits (float32) that passes
@@ -46,6 +49,15 @@ def size(name: str, value: str | int) -> int:
         return parse_size(value)
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
+
+
+def workers(name: str, value: int | None) -> int | None:
+    """A worker count parameter: None (every usable core) or an integer >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} {value!r}: give a whole number of threads >= 1 (default: every usable core)")
+    return value
 
 
 def choice(name: str, value: str, choices: tuple[str, ...]) -> str:

@@ -29,7 +29,6 @@ from ckptbridge.qwix_lora import is_lora_leaf
 from ckptbridge.specs import FamilySpec, family_for
 
 ASSETS_DIR = "hf_assets"
-READ_AHEAD = 2  # boxes of a leaf read in the background while one is converted (OrbaxSource.tunix_blocks)
 
 
 def _layer_note(entry: mapping.Entry) -> str:
@@ -89,10 +88,10 @@ class HFSource:
             out[n] = self.model.array(key)
         return out
 
-    def tunix_blocks(self, blocks: mapping.Blocks, ranges: list[tuple[int, int]]):
-        """``(region, values)`` of the Tunix parameter for each ``(i, j)`` of ``ranges``."""
-        for i, j in ranges:
-            yield blocks.tunix_region(i, j), blocks.to_tunix(self.hf_block(blocks, i, j), i, j)
+    def tunix_block(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray:
+        """The box of the Tunix parameter that indices ``i:j`` of ``blocks.axis`` fill (read and
+        rearranged; safe to call from several threads)."""
+        return blocks.to_tunix(self.hf_block(blocks, i, j), i, j)
 
     def close(self) -> None:
         self.model.close()
@@ -188,9 +187,6 @@ class OrbaxSource:
     entries: list[mapping.Entry]
     suffix: tuple[str, ...]  # ("value",) for trees saved from an nnx state with value levels
     config_dir: str | None  # where non-weight files come from when not stored in the checkpoint
-    _pending: tuple | None = None  # (entry, started read) of the leaf read ahead
-    _next: dict | None = None
-    read_ahead_max: int | None = None  # leaves larger than this (bytes) are not read ahead whole
 
     def path_of(self, entry: mapping.Entry) -> tuple[str, ...]:
         return entry.tunix_path + self.suffix
@@ -199,15 +195,9 @@ class OrbaxSource:
         return self.ckpt.leaves[self.path_of(entry)][1]
 
     def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
-        """The leaf of ``entry``; the next entry's leaf is then read in the background (direct
-        reader), so reading and decoding overlap the conversion and writing of this one."""
+        """The leaf of ``entry`` (safe to call from several threads)."""
         p = self.path_of(entry)
-        pending, self._pending = self._pending, None
-        got = pending[1]() if pending is not None and pending[0] is entry else self.ckpt.read([p])
-        following = self._following().get(id(entry))
-        if following is not None and (self.read_ahead_max is None or self.nbytes(following) <= self.read_ahead_max):
-            self._pending = (following, self.ckpt.start_read([self.path_of(following)]))
-        return got[p]
+        return self.ckpt.read([p])[p]
 
     def nbytes(self, entry: mapping.Entry) -> int:
         shape, dtype = self.ckpt.leaves[self.path_of(entry)]
@@ -225,30 +215,17 @@ class OrbaxSource:
         per = max(1, max_bytes // max(1, self.nbytes(blocks.entry) // blocks.count))
         return blocks.ranges(per, align)
 
-    def tunix_blocks(self, blocks: mapping.Blocks, ranges: list[tuple[int, int]]
-                     ) -> Iterator[tuple[int, int, np.ndarray]]:
-        """``(i, j, box)`` of the Tunix leaf for each range, the next :data:`READ_AHEAD` boxes read
-        and decoded meanwhile."""
+    def tunix_box(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray:
+        """The box of the leaf of ``blocks.entry`` that indices ``i:j`` of ``blocks.axis`` fill
+        (a range of :meth:`block_ranges`; safe to call from several threads)."""
         p = self.path_of(blocks.entry)
-        pending = [self.ckpt.start_read([p], blocks.tunix_region(*r)) for r in ranges[:READ_AHEAD]]
-        for n, (i, j) in enumerate(ranges):
-            got = pending.pop(0)()[p]
-            if n + READ_AHEAD < len(ranges):
-                pending.append(self.ckpt.start_read([p], blocks.tunix_region(*ranges[n + READ_AHEAD])))
-            yield i, j, got
-            del got
-
-    def _following(self) -> dict[int, mapping.Entry]:
-        if self._next is None:
-            self._next = {id(a): b for a, b in zip(self.entries, self.entries[1:])}
-        return self._next
+        return self.ckpt.start_read([p], blocks.tunix_region(i, j))()[p]
 
     def tunix_values(self) -> Iterator[tuple[mapping.Entry, np.ndarray]]:
         for e in self.entries:
             yield e, self.tunix_value(e)
 
     def close(self) -> None:
-        self._pending = None
         self.ckpt.close()
 
     def __enter__(self) -> OrbaxSource:

@@ -20,7 +20,7 @@ def _guard(*args: str):
 
 
 # dense, and expert stacks from per-expert keys; the larger model is 0.9-1 GB, so that the fixed
-# windows (merge: 256 MB computed ahead; conversions: 2 chunks being written, 1 produced ahead)
+# window (the default 256 MiB memory budget of the streaming engine, shared by its workers)
 # cannot pass for growth: filling them, with the adapter's factors growing with the layers, adds
 # 0.3-0.4 MB per MB
 @pytest.mark.parametrize("model,layers", [("gemma4", 30), ("qwen3_moe", 18)])

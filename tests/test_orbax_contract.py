@@ -30,12 +30,10 @@ def _tree():
     whole = rng.standard_normal((7, 3)).astype(np.float32)
     plain = rng.integers(0, 100, (4, 4)).astype(np.int32)
 
-    def blocks():
-        for start in range(0, 24, 8):
-            yield (slice(start, start + 8), slice(0, 6), slice(0, 5)), big[start:start + 8]
-
+    pieces = [((slice(start, start + 8), slice(0, 6), slice(0, 5)), lambda s=start: big[s:s + 8])
+              for start in range(0, 24, 8)]
     tree = {
-        "big": {"w": LazyArray(big.shape, big.dtype, chunks=(8, 6, 5), blocks=blocks)},
+        "big": {"w": LazyArray(big.shape, big.dtype, chunks=(8, 6, 5), pieces=pieces)},
         "whole": LazyArray(whole.shape, whole.dtype, produce=lambda: whole.copy()),
         "plain": plain,
     }

@@ -24,15 +24,16 @@ through Orbax, a few leaves at a time with ``partial_restore`` (tests/test_orbax
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import os
-import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from ckptbridge.io import storage
 from ckptbridge.io.files import read_json_object
 from ckptbridge.metadata import KEY as METADATA_KEY
 from ckptbridge.metadata import Metadata
+from ckptbridge.stream import Engine, Stream
 
 log = logging.getLogger(__name__)
 
@@ -55,30 +57,24 @@ Region = tuple[slice, ...]
 class LazyArray:
     """A checkpoint leaf whose values are computed only when Orbax writes it.
 
-    Either whole (``produce``) or, with ``blocks`` and ``chunks``, box by box: ``blocks()`` yields
-    ``(region, values)`` pairs covering the array, each region a whole chunk of shape ``chunks``
-    (the last ones cut by the array's edge), written as they come with at most ``in_flight``
-    blocks held, so memory is a few chunks however large the array. ``on_written(nbytes)`` is
-    called as bytes are handed to the writer."""
+    Either whole (``produce``) or, with ``pieces`` and ``chunks``, box by box: ``pieces`` is a
+    list of ``(region, make)`` covering the array, each region a whole chunk of shape ``chunks``
+    (the last ones cut by the array's edge) and ``make()`` its values. Pieces are made on the
+    workers of a :class:`~ckptbridge.stream.Engine` ahead of the writer, within its memory
+    budget. ``on_written(nbytes)`` is called as bytes are stored."""
 
     def __init__(self, shape: Iterable[int], dtype, produce: Callable[[], np.ndarray] | None = None,
                  on_written: Callable[[int], None] | None = None, *,
                  chunks: tuple[int, ...] | None = None,
-                 blocks: Callable[[], Iterable[tuple[Region, np.ndarray]]] | None = None):
+                 pieces: Sequence[tuple[Region, Callable[[], np.ndarray]]] | None = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
-        self.produce = produce
         self.on_written = on_written
         self.chunks = tuple(int(c) for c in chunks) if chunks is not None else None
-        self.blocks = blocks
-        if (produce is None) == (blocks is None) or (blocks is None) != (chunks is None):
-            raise ValueError("a LazyArray needs produce, or blocks with chunks")
-
-    def value(self) -> np.ndarray:
-        """The whole array (of a LazyArray made with ``produce``)."""
-        if self.produce is None:
-            raise ValueError("this LazyArray is produced block by block")
-        return self.produce()
+        if (produce is None) == (pieces is None) or (pieces is None) != (chunks is None):
+            raise ValueError("a LazyArray needs produce, or pieces with chunks")
+        self.pieces: Sequence[tuple[Region, Callable[[], np.ndarray]]] = (
+            pieces if pieces is not None else [((), produce)])  # type: ignore[list-item]  # produce is set
 
     @property
     def size(self) -> int:
@@ -92,6 +88,15 @@ class LazyArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
+    def region_shape(self, region: Region) -> tuple[int, ...]:
+        """The shape of the box ``region`` (``()``: the whole array)."""
+        if not region:
+            return self.shape
+        return tuple(len(range(*r.indices(n))) for r, n in zip(region, self.shape))
+
+    def region_bytes(self, region: Region) -> int:
+        return math.prod(self.region_shape(region)) * self.dtype.itemsize
+
     @property
     def block_bytes(self) -> int:
         """Bytes of the largest piece produced at once."""
@@ -101,14 +106,19 @@ class LazyArray:
         # A recipe, not data: Orbax before 0.12.5 deep-copies every value it is handed.
         return self
 
-    def produce_into(self, out: np.ndarray) -> None:
-        """Write every value into ``out`` (an array of this shape and dtype), block by block."""
-        if self.blocks is None:
-            out[...] = _checked("leaf", self.shape, self.dtype, np.asarray(self.value()))
-            return
-        for region, arr in self.blocks():
-            want = tuple(len(range(*r.indices(n))) for r, n in zip(region, self.shape))
-            out[region] = _checked("leaf", want, self.dtype, np.asarray(arr))
+    def jobs(self) -> Iterator[tuple[int, Callable[[], np.ndarray]]]:
+        """``(nbytes, make)`` of each piece, in order, for a stream."""
+        for region, make in self.pieces:
+            yield self.region_bytes(region), make
+
+    def checked(self, region: Region, arr) -> np.ndarray:
+        """``arr`` as the contiguous values of ``region``, or a ValueError naming the mismatch."""
+        return _checked("leaf", self.region_shape(region), self.dtype, np.ascontiguousarray(arr))
+
+    def produce_into(self, out: np.ndarray, engine: Engine) -> None:
+        """Write every value into ``out`` (an array of this shape and dtype), piece by piece."""
+        for (region, _), arr in zip(self.pieces, engine.stream(self.jobs())):
+            out[region] = self.checked(region, arr)
 
 
 def _ocp():
@@ -157,7 +167,7 @@ def orbax_writer() -> str:
     return "public"
 
 
-def _lazy_handler(ahead_bytes: int):
+def _lazy_handler(engine: Engine):
     ocp = _ocp()
     numpy_handler = ocp.type_handlers.NumpyHandler
     # orbax-checkpoint >= 0.12.5 copies host arrays unless told not to; before, LazyArray's
@@ -166,22 +176,22 @@ def _lazy_handler(ahead_bytes: int):
                if "deepcopy_host_arrays" in inspect.signature(numpy_handler.__init__).parameters else {})
 
     class LazyArrayHandler(numpy_handler):  # type: ignore[valid-type, misc]  # Orbax's class, found at run time
-        """Writes LazyArray leaves in turn (whole, or a leaf with blocks block by block into
-        chunks of its block shape), recorded as plain numpy arrays. Writes are handed to
-        TensorStore without waiting for each to be stored: the next values are produced (on a
-        thread of their own, half of ``ahead_bytes`` ahead) while earlier ones are encoded and
-        written, with at most ``ahead_bytes`` (or two blocks, when larger) handed over and not
-        yet stored."""
+        """Writes LazyArray leaves in turn (whole, or piece by piece into chunks of their block
+        shape), recorded as plain numpy arrays. The pieces of every leaf, in write order, are
+        one stream of ``engine``: made on its workers ahead of the writer, handed to TensorStore
+        (which encodes and stores them on its own threads) without waiting for each to be
+        stored, and counted against the engine's memory budget until they are."""
 
-        def __init__(self, ahead_bytes: int = AHEAD_BYTES):
+        def __init__(self, engine: Engine):
             super().__init__(**options)
-            self._pending: list = []  # (write future, bytes, leaf)
-            self._producer: _Producer | None = None
-            self._ahead_bytes = ahead_bytes
+            self._engine = engine
+            self._pending: deque = deque()  # (write future, release, bytes, leaf)
+            self._stream: Stream | None = None
 
         async def _background_serialize(self, values, infos, args=None):
             args = args or [None] * len(values)
-            self._producer = _Producer(values, self._ahead_bytes // 2)
+            lazy = [v for v in values if isinstance(v, LazyArray)]
+            self._stream = self._engine.stream(job for v in lazy for job in v.jobs())
             try:
                 for value, info, arg in zip(values, infos, args):
                     # the parent builds the spec from shape and dtype alone and calls _open_and_write
@@ -189,12 +199,18 @@ def _lazy_handler(ahead_bytes: int):
                 while self._pending:
                     await self._retire()
             finally:
-                self._producer.close()
+                self._stream.close()
+                while self._pending:  # after an error: the bytes of writes never awaited
+                    self._pending.popleft()[1]()
 
         async def _retire(self) -> None:
-            future, nbytes, value = self._pending.pop(0)
+            future, release, nbytes, value = self._pending[0]
             await future
-            if getattr(value, "on_written", None) is not None:
+            self._pending.popleft()
+            release()
+            if self._stream is not None:
+                self._stream.prefetch()
+            if value.on_written is not None:
                 value.on_written(nbytes)
 
         async def _open_and_write(self, value, tspec, ts_context):
@@ -202,99 +218,22 @@ def _lazy_handler(ahead_bytes: int):
                 return await super()._open_and_write(value, tspec, ts_context)
             import tensorstore as ts
 
-            name = ".".join(str(tspec.get("kvstore", {}).get("path", "leaf")).split("/")[-1:])
+            if self._stream is None:
+                raise RuntimeError("LazyArrayHandler: values written outside serialize")
             spec = _with_chunks(tspec, value.chunks) if value.chunks is not None else tspec
             store = await ts.open(ts.Spec(spec), create=True, open=True, context=ts_context)
-            block_bytes = value.block_bytes
-            while True:
-                while self._pending and sum(p[1] for p in self._pending) + block_bytes > max(
-                        self._ahead_bytes, 2 * block_bytes):
+            for region, _ in value.pieces:
+                # stored writes give their bytes back to the budget, so the next pieces can start
+                while self._pending and (self._pending[0][0].done() or not self._stream.started()):
                     await self._retire()
-                if self._producer is None:
-                    raise RuntimeError("LazyArrayHandler: no producer (values written outside serialize)")
-                item = self._producer.take(value)
-                if item is None:
-                    break
-                region, arr = item
-                want = tuple(len(range(*r.indices(n))) for r, n in zip(region, value.shape)) if region else value.shape
-                arr = _checked(name, want, value.dtype, np.ascontiguousarray(arr))
+                arr = value.checked(region, next(self._stream))
+                release = self._stream.hand_over()
                 target = store[region] if region else store
                 self._pending.append((target.write(arr, can_reference_source_data_indefinitely=True),
-                                      arr.nbytes, value))
-                del arr, item
+                                      release, arr.nbytes, value))
+                del arr
 
-    return LazyArrayHandler(ahead_bytes)
-
-
-AHEAD_BYTES = 256 << 20  # default bytes handed to TensorStore and not yet stored (at least two blocks)
-
-
-class _Producer:
-    """Produces the values of LazyArray leaves (reading, rearranging), in the order they are
-    written, on a thread of its own up to ``ahead`` bytes (at least one block) ahead of the
-    writer, so that producing overlaps TensorStore's encoding and writing."""
-
-    _END = object()
-
-    def __init__(self, values, ahead: int) -> None:
-        self._ahead_max = ahead
-        self._leaves = [v for v in values if isinstance(v, LazyArray)]
-        self._queues: dict[int, queue.Queue] = {id(v): queue.Queue() for v in self._leaves}
-        self._cond = threading.Condition()
-        self._ahead = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="orbax-produce", daemon=True)
-        self._thread.start()
-
-    def _wait_for_room(self, nbytes: int) -> bool:
-        with self._cond:
-            while not self._closed and self._ahead and self._ahead + nbytes > max(self._ahead_max, nbytes):
-                self._cond.wait()
-            return not self._closed
-
-    def _run(self) -> None:
-        for value in self._leaves:
-            q = self._queues[id(value)]
-            try:
-                items = iter(value.blocks()) if value.blocks is not None else None
-                while self._wait_for_room(value.block_bytes):
-                    item: tuple | None
-                    if items is None:
-                        item = ((), value.value())
-                    else:
-                        item = next(items, None)
-                        if item is None:
-                            break
-                    with self._cond:
-                        self._ahead += item[1].nbytes
-                    q.put(item)
-                    del item
-                    if items is None:
-                        break
-                q.put(self._END)
-            except BaseException as e:  # handed to the writer, which raises it
-                q.put(e)
-                return
-            if self._closed:
-                return
-
-    def take(self, value: LazyArray) -> tuple[Region, np.ndarray] | None:
-        """The next ``(region, values)`` of ``value`` (region ``()`` for the whole array), or None
-        when it has no more."""
-        item = self._queues[id(value)].get()
-        if item is self._END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        with self._cond:
-            self._ahead -= item[1].nbytes
-            self._cond.notify_all()
-        return item
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+    return LazyArrayHandler(engine)
 
 
 def _checked(name: str, shape: tuple, dtype, arr: np.ndarray) -> np.ndarray:
@@ -328,22 +267,22 @@ def _with_chunks(tspec: dict, chunks: tuple[int, ...]) -> dict:
     return new
 
 
-def _registry(ahead_bytes: int = AHEAD_BYTES):
+def _registry(engine: Engine):
     ocp = _ocp()
     import jax
 
     return ocp.type_handlers.create_type_handler_registry(
-        (LazyArray, _lazy_handler(ahead_bytes)),
+        (LazyArray, _lazy_handler(engine)),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
         (jax.Array, ocp.type_handlers.ArrayHandler()),
     )
 
 
-def _handler(compression: bool = True, ahead_bytes: int = AHEAD_BYTES, writer: str = "streaming"):
+def _handler(engine: Engine, compression: bool = True, writer: str = "streaming"):
     ocp = _ocp()
     if writer == "public":
         return ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, use_compression=compression)
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=_registry(ahead_bytes), save_concurrent_gb=1,
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=_registry(engine), save_concurrent_gb=1,
                                        use_compression=compression)
 
 
@@ -355,7 +294,7 @@ class _ScratchArray(np.memmap):
         return self
 
 
-def _produced(tree: Mapping[str, Any], scratch: str) -> tuple[dict, dict]:
+def _produced(tree: Mapping[str, Any], scratch: str, engine: Engine) -> tuple[dict, dict]:
     """The public writer's input: every :class:`LazyArray` of ``tree`` produced into a
     memory-mapped file under ``scratch`` (page cache, not process memory), and the SaveArgs
     that give a leaf produced in blocks chunks of about a block."""
@@ -364,7 +303,7 @@ def _produced(tree: Mapping[str, Any], scratch: str) -> tuple[dict, dict]:
     for i, (path, leaf) in enumerate(_flatten(tree).items()):
         if isinstance(leaf, LazyArray):
             arr = _ScratchArray(os.path.join(scratch, str(i)), dtype=leaf.dtype, mode="w+", shape=leaf.shape)
-            leaf.produce_into(arr)
+            leaf.produce_into(arr, engine)
             arr.flush()  # clean pages: the kernel may drop them
             if leaf.on_written is not None:
                 leaf.on_written(leaf.nbytes)
@@ -380,9 +319,9 @@ class _Writer:
     """Save args for one checkpoint: the streaming writer hands the tree to Orbax as it is; the
     public one first produces it into a scratch directory beside ``path``, removed at the end."""
 
-    def __init__(self, path: str, tree: Mapping[str, Any]):
+    def __init__(self, path: str, tree: Mapping[str, Any], engine: Engine):
         self.kind = orbax_writer()
-        self.path, self.tree = path, tree
+        self.path, self.tree, self.engine = path, tree, engine
         self.scratch: str | None = None
 
     def __enter__(self) -> _Writer:
@@ -394,7 +333,7 @@ class _Writer:
             return ocp.args.PyTreeSave(self.tree)
         parent = None if storage.is_remote(self.path) else os.path.dirname(os.path.abspath(self.path))
         self.scratch = tempfile.mkdtemp(prefix=".ckptbridge-scratch-", dir=parent)
-        item, save_args = _produced(self.tree, self.scratch)
+        item, save_args = _produced(self.tree, self.scratch, self.engine)
         return ocp.args.PyTreeSave(item, save_args=save_args)
 
     def __exit__(self, *exc) -> None:
@@ -403,28 +342,39 @@ class _Writer:
 
 
 def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None = None, *,
-              compression: bool = True, ahead_bytes: int = AHEAD_BYTES) -> str:
+              compression: bool = True, engine: Engine | None = None) -> str:
     """Write a nested dict of :class:`LazyArray` / numpy leaves as an Orbax checkpoint at ``path``
-    (zstd-compressed chunks, as Orbax writes by default, unless ``compression`` is False), with
-    about ``ahead_bytes`` of values produced or being written at any time. Returns the writer
-    used (:func:`orbax_writer`)."""
+    (zstd-compressed chunks, as Orbax writes by default, unless ``compression`` is False), the
+    pieces made on ``engine``'s workers within its memory budget (default: an engine of every
+    usable core and the default budget). Returns the writer used (:func:`orbax_writer`)."""
     ocp = _ocp()
-    with _Writer(path, tree) as w, ocp.Checkpointer(_handler(compression, ahead_bytes, w.kind)) as ckptr:
+    with _engine(engine) as eng, _Writer(path, tree, eng) as w, \
+            ocp.Checkpointer(_handler(eng, compression, w.kind)) as ckptr:
         ckptr.save(storage.absolute(path), args=w.args(), custom_metadata=custom_metadata or {})
     return w.kind
 
 
 def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_metadata: dict | None = None,
-                      item: str = "model_params") -> str:
+                      item: str = "model_params", *, engine: Engine | None = None) -> str:
     """Write ``root/<step>/<item>`` the way ``tunix.sft.checkpoint_manager.CheckpointManager`` does
     (an Orbax CheckpointManager with a PyTree item), with ``custom_metadata`` on the step."""
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    with _Writer(root, tree) as w, ocp.CheckpointManager(
-            storage.absolute(root), item_handlers={item: _handler(writer=w.kind)}, options=options) as mngr:
+    with _engine(engine) as eng, _Writer(root, tree, eng) as w, ocp.CheckpointManager(
+            storage.absolute(root), item_handlers={item: _handler(eng, writer=w.kind)}, options=options) as mngr:
         mngr.save(step, args=ocp.args.Composite(**{item: w.args()}), custom_metadata=custom_metadata or {}, force=True)
         mngr.wait_until_finished()
     return storage.join(root, str(step), item)
+
+
+@contextlib.contextmanager
+def _engine(engine: Engine | None) -> Iterator[Engine]:
+    """``engine``, or a default one for the duration."""
+    if engine is not None:
+        yield engine
+        return
+    with Engine(name="orbax-write") as own:
+        yield own
 
 
 def _looks_like_checkpoint(path: str) -> bool:
@@ -590,6 +540,7 @@ class _OrbaxLeaves:
         self.path = path
         ocp = _ocp()
         self._ckptr = ocp.PyTreeCheckpointer()
+        self._lock = threading.Lock()  # one restore at a time: a checkpointer is not documented as thread-safe
         try:
             meta = self._ckptr.metadata(path)
             item_meta = meta.item_metadata
@@ -622,9 +573,10 @@ class _OrbaxLeaves:
         item = nest({p: np.zeros(0) for p in paths})
         restore_args = nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in paths})
         try:
-            out = self._ckptr.restore(
-                self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-            )
+            with self._lock:
+                out = self._ckptr.restore(
+                    self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                )
         except Exception as e:
             raise CorruptFileError(
                 f"{self.path}: cannot read {'/'.join(paths[0])}"

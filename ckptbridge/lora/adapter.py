@@ -13,14 +13,17 @@ from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import tunix_to_peft
 from ckptbridge.lora.orbax import OrbaxLora, open_orbax_lora
 from ckptbridge.lora.peft import ADAPTER_CONFIG, PeftLora, open_peft_lora
+from ckptbridge.stream import Engine
 
 Adapter = PeftLora | OrbaxLora
 
 
-def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> Adapter:
-    """A PEFT adapter directory or a Tunix/qwix Orbax LoRA checkpoint (local or on Cloud Storage)."""
+def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None,
+                 engine: Engine | None = None) -> Adapter:
+    """A PEFT adapter directory or a Tunix/qwix Orbax LoRA checkpoint (local or on Cloud Storage;
+    its factors read ahead on ``engine``)."""
     if storage.is_remote(src):
-        return open_orbax_lora(src, base, step=step, alpha=alpha)
+        return open_orbax_lora(src, base, step=step, alpha=alpha, engine=engine)
     if not os.path.exists(src):
         raise InputNotFoundError(f"{src}: no such adapter directory")
     if os.path.isfile(os.path.join(src, ADAPTER_CONFIG)):
@@ -28,7 +31,7 @@ def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float 
             raise ConfigError(f"{src}: alpha/step (--alpha, --step) apply to Orbax LoRA checkpoints; "
                               "a PEFT adapter records its own")
         return open_peft_lora(src, base)
-    return open_orbax_lora(src, base, step=step, alpha=alpha)
+    return open_orbax_lora(src, base, step=step, alpha=alpha, engine=engine)
 
 
 def hf_deltas(adapter: Adapter) -> Iterable[tuple[str, int, float, tuple[np.ndarray, np.ndarray]]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import deque
 
 import numpy as np
 
@@ -15,6 +17,7 @@ from ckptbridge.lora.modules import LoraModule, Scaling
 from ckptbridge.lora.rules import scaling_from_rules
 from ckptbridge.metadata import Metadata
 from ckptbridge.qwix_lora import is_lora_leaf
+from ckptbridge.stream import Engine, Stream
 
 
 @dataclasses.dataclass
@@ -27,55 +30,73 @@ class OrbaxLora:
     suffix: tuple[str, ...]
     scaling: dict[LoraModule, Scaling]
     metadata: Metadata
-    batch_bytes: int = 128 << 20  # factors per read batch
-    _ahead: dict = dataclasses.field(default_factory=dict)
-    _pending: tuple | None = None  # (modules, result of OrbaxCheckpoint.start_read) of the next batch
-
-    def factors(self, mod: LoraModule) -> tuple[np.ndarray, np.ndarray]:
-        """(A, B) of ``mod`` in Tunix layout. Modules are read in batches of about ``batch_bytes``
-        (one read call per batch: with Orbax each call has a fixed cost, which made a 31B rank-64
-        export 4x slower), in the order of ``scaling``; once a batch is collected, the next one
-        is started, so it is read and decoded while this one is converted and written. A factor
-        is dropped once handed out."""
-        if mod not in self._ahead:
-            if self._pending is None or mod not in self._pending[0]:
-                self._pending = self._start_batch(mod)
-            batch, result = self._pending
-            got = result()
-            for m in batch:
-                self._ahead[m] = tuple(got[p] for p in self._leaves(m))
-            rest = self._order[self._order.index(batch[-1]) + 1:] if batch[-1] in self.scaling else []
-            self._pending = self._start_batch(rest[0]) if rest else None
-        return self._ahead.pop(mod)
-
-    @property
-    def _order(self) -> list[LoraModule]:
-        return list(self.scaling)
+    batch_bytes: int = 32 << 20  # factors per read batch (a piece of the engine)
+    engine: Engine | None = None  # reads batches ahead on its workers (one of its own when None)
+    _own_engine: Engine | None = None
+    _stream: Stream | None = None
+    _coming: deque = dataclasses.field(default_factory=deque)  # batches the stream hands out next, in order
+    _ready: dict = dataclasses.field(default_factory=dict)  # factors read and not yet asked for
 
     def _leaves(self, mod: LoraModule) -> tuple[tuple[str, ...], tuple[str, ...]]:
         a, b = (leaf + self.suffix for leaf in mod.leaves)
         return a, b
 
-    def _start_batch(self, first: LoraModule) -> tuple:
-        order = self._order
-        batch: list[LoraModule] = []
+    def module_bytes(self, mod: LoraModule) -> int:
+        return sum(int(np.prod(self.ckpt.leaves[p][0], dtype=np.int64)) * np.dtype(self.ckpt.leaves[p][1]).itemsize
+                   for p in self._leaves(mod))
+
+    def batches(self) -> list[list[LoraModule]]:
+        """The modules in the order of ``scaling``, in batches of about ``batch_bytes``: one read
+        call per batch (with Orbax each call has a fixed cost, which made a 31B rank-64 export 4x
+        slower read module by module)."""
+        out: list[list[LoraModule]] = [[]]
         total = 0
-        for mod in order[order.index(first):] if first in self.scaling else [first]:
-            size = sum(int(np.prod(self.ckpt.leaves[p][0])) * np.dtype(self.ckpt.leaves[p][1]).itemsize
-                       for p in self._leaves(mod))
-            if batch and total + size > self.batch_bytes:
-                break
-            if mod not in self._ahead:
-                batch.append(mod)
-                total += size
-        return batch, self.ckpt.start_read([p for mod in batch for p in self._leaves(mod)])
+        for mod in self.scaling:
+            size = self.module_bytes(mod)
+            if out[-1] and total + size > self.batch_bytes:
+                out.append([])
+                total = 0
+            out[-1].append(mod)
+            total += size
+        return [b for b in out if b]
+
+    def read_batch(self, batch: list[LoraModule]) -> dict[LoraModule, tuple[np.ndarray, np.ndarray]]:
+        """(A, B) in Tunix layout of every module of ``batch``, in one read (safe to call from
+        several threads)."""
+        got = self.ckpt.read([p for mod in batch for p in self._leaves(mod)])
+        return {mod: (got[self._leaves(mod)[0]], got[self._leaves(mod)[1]]) for mod in batch}
+
+    def factors(self, mod: LoraModule) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B) of ``mod`` in Tunix layout. Asked for in the order of ``scaling``, the batches
+        are read on the engine's workers ahead of the caller (a module asked for out of that
+        order is read on its own); a factor is dropped once handed out."""
+        if mod in self._ready:
+            return self._ready.pop(mod)
+        if self._stream is None:
+            if self.engine is None:
+                self.engine = self._own_engine = Engine(name="lora-read")
+            batches = self.batches()
+            self._coming.extend(batches)
+            self._stream = self.engine.stream(
+                (sum(self.module_bytes(m) for m in b), functools.partial(self.read_batch, b)) for b in batches)
+        if any(mod in batch for batch in self._coming):
+            while mod not in self._ready:
+                self._coming.popleft()
+                self._ready.update(next(self._stream))
+            if not self._coming:  # the last batch: its bytes go back to the budget now
+                self._stream.close()
+            return self._ready.pop(mod)
+        return self.read_batch([mod])[mod]
 
     def dtype(self, mod: LoraModule) -> np.dtype:
         return self.ckpt.leaves[mod.leaves[0] + self.suffix][1]
 
     def close(self) -> None:
-        self._ahead.clear()
-        self._pending = None
+        self._ready.clear()
+        if self._stream is not None:
+            self._stream.close()
+        if self._own_engine is not None:
+            self._own_engine.close()
         self.ckpt.close()
 
     def __enter__(self):
@@ -85,10 +106,15 @@ class OrbaxLora:
         self.close()
 
 
-def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: float | None = None) -> OrbaxLora:
+def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: float | None = None,
+                    engine: Engine | None = None) -> OrbaxLora:
+    """A Tunix/qwix LoRA checkpoint validated against ``base``; its factors are read ahead on
+    ``engine`` (one of its own, closed with the adapter, when None)."""
     path = resolve_checkpoint(src, step)
     with close_on_error(OrbaxCheckpoint(path)) as ckpt:
-        return _validate_orbax_lora(path, ckpt, base, alpha)
+        ad = _validate_orbax_lora(path, ckpt, base, alpha)
+    ad.engine = engine
+    return ad
 
 
 def _validate_orbax_lora(path: str, ckpt, base: Base, alpha: float | None) -> OrbaxLora:
