@@ -29,7 +29,7 @@ from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_versio
 from ckptbridge.options import KV_MODES, TARGETS
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.stream import Parts, Shared, engine_for
+from ckptbridge.stream import Parallelism, Parts, Shared
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     """
     t0 = time.perf_counter()
     options.choice("target", target, TARGETS)
+    parallel = Parallelism.of(workers, memory_budget)
     model_card.check_repo_id("base_id", base_id)
     base = hub.local(base, hub.CONFIG, revision=revision, what="base model")
     check_destination(dst, [src, base], overwrite)
@@ -187,7 +188,7 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                     parts += [(lora.factor_key(name, "A"), a), (lora.factor_key(name, "B"), b_)]
             return parts
 
-        engine = stack.enter_context(engine_for(workers, memory_budget, name="o2p"))
+        engine = stack.enter_context(parallel.engine("o2p"))
         parts = Parts(engine.stream((sum(ad.module_bytes(m) for m in batch), functools.partial(peft_parts, batch))
                                     for batch in ad.batches()))
         tensors = []
@@ -308,6 +309,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
     t0 = time.perf_counter()
     deps.require("orbax")
     options.choice("kv", kv, KV_MODES)
+    parallel = Parallelism.of(workers, memory_budget)
     if step < 0:
         raise ConfigError(f"step {step}: must be >= 0")
     base = hub.local(base, hub.CONFIG, revision=revision, what="base model")
@@ -351,7 +353,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
         bar = Progress(total, "peft -> orbax", enabled=progress)
         for leaf in flat.values():
             leaf.on_written = bar.update
-        with atomic_directory(dst, overwrite) as tmp, engine_for(workers, memory_budget, name="p2o") as engine:
+        with atomic_directory(dst, overwrite) as tmp, parallel.engine("p2o") as engine:
             orbax_io.save_manager_step(tmp, step, orbax_io.nest(flat), meta, engine=engine)
         bar.close()
         return OrbaxLoraReport(

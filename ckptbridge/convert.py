@@ -28,7 +28,7 @@ from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
 from ckptbridge.specs.base import tunix_version_key
-from ckptbridge.stream import Job, Parts, engine_for
+from ckptbridge.stream import Job, Parallelism, Parts
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -132,6 +132,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     t0 = time.perf_counter()
     deps.require("orbax")
     chunk_bytes = options.size("chunk_size", chunk_size)
+    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)")
     if tunix_version is not None:
         try:
             tunix_version_key(tunix_version)
@@ -141,8 +142,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source, \
-            engine_for(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                       name="s2o") as engine:
+            parallel.engine("s2o") as engine:
         mismatch = specs.note_mismatch(source.cfg)
         flat = {e.tunix_path: _leaf(source, e, chunk_bytes)
                 for e in mapping.for_tunix_version(source.entries, target)}
@@ -210,10 +210,10 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
     t0 = time.perf_counter()
     chunk_bytes = options.size("chunk_size", chunk_size)
     shard_bytes = options.size("max_shard_size", max_shard_size)
+    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)")
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source, \
-            engine_for(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                       name="o2s") as engine:
+            parallel.engine("o2s") as engine:
         mismatch = specs.note_mismatch(source.cfg)
         jobs: list[Job] = []
         tensors: list[tuple[mapping.Entry, str, int]] = []  # (entry, HF key, parts it is written from)

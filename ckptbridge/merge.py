@@ -27,7 +27,7 @@ from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.stream import Job, Stream, engine_for
+from ckptbridge.stream import Job, Parallelism, Stream
 
 BLOCK_BYTES = 32 << 20  # float32 bytes of one block of merged rows (at most half the memory budget)
 
@@ -119,13 +119,14 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
     either. ``base`` and ``adapter`` may be Hub ids (``revision``: the base's branch, tag or commit)."""
     t0 = time.perf_counter()
     shard_bytes = options.size("max_shard_size", max_shard_size)
+    parallel = Parallelism.of(workers, memory_budget)
     model_card.check_repo_id("base_id", base_id)
     base = hub.local(base, hub.MODEL, revision=revision, what="base model")
     adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
     check_destination(dst, [base, adapter], overwrite)
     b = lora.open_base(base)
     with HFModelDir(base) as model, \
-            engine_for(workers, memory_budget, name="merge") as engine, \
+            parallel.engine("merge") as engine, \
             lora.open_adapter(adapter, b, step=step, alpha=alpha, engine=engine) as ad, \
             threadpool_limits(1, user_api="blas"):  # one BLAS thread per worker: 1.5x faster than 2 x 2 here
         deltas: dict[str, list[tuple[int, float, np.ndarray, np.ndarray]]] = {}

@@ -18,6 +18,7 @@ matters here (copies, transposes, products, codecs, reads), so threads spread it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -117,20 +118,31 @@ class Engine:
         self.close()
 
 
-def engine_for(workers: int | None = None, memory_budget: str | int | None = None, *, least: int = 0,
-               least_what: str = "", name: str = "ckptbridge") -> Engine:
-    """The engine of a verb from its ``workers`` (``--workers``) and ``memory_budget``
-    (``--memory-budget``) parameters; a ConfigError naming them when they are not usable, e.g. a
-    budget under ``least`` bytes (one piece of ``least_what``)."""
-    options.workers("workers (--workers)", workers)
-    budget = (DEFAULT_MEMORY_BUDGET if memory_budget is None
-              else options.size("memory_budget (--memory-budget)", memory_budget))
-    if budget < least:
-        raise ConfigError(
-            f"memory_budget (--memory-budget) {budget} bytes is less than one piece ({least} bytes, {least_what}); "
-            "raise it or make the pieces smaller"
-        )
-    return Engine(workers, budget, name)
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """A verb's ``workers`` (``--workers``) and ``memory_budget`` (``--memory-budget``), checked
+    before any work starts; :meth:`engine` makes the engine when the work does."""
+
+    workers: int
+    memory_budget: int
+
+    @classmethod
+    def of(cls, workers: int | None = None, memory_budget: str | int | None = None, *, least: int = 0,
+           least_what: str = "") -> Parallelism:
+        """A ConfigError naming the parameter and its flag when one is not usable, e.g. a budget
+        under ``least`` bytes (one piece: ``least_what``)."""
+        count = options.workers("workers (--workers)", workers)
+        budget = (DEFAULT_MEMORY_BUDGET if memory_budget is None
+                  else options.size("memory_budget (--memory-budget)", memory_budget))
+        if budget < least:
+            raise ConfigError(
+                f"memory_budget (--memory-budget) {budget} bytes is less than one piece ({least} bytes, "
+                f"{least_what}); raise it or make the pieces smaller"
+            )
+        return cls(usable_cores() if count is None else count, budget)
+
+    def engine(self, name: str = "ckptbridge") -> Engine:
+        return Engine(self.workers, self.memory_budget, name)
 
 
 class Stream(Generic[T]):
@@ -282,5 +294,5 @@ class Shared(Generic[T]):
         return value  # type: ignore[return-value]  # set above
 
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "Budget", "Engine", "Job", "Parts", "Shared", "Stream", "engine_for",
+__all__ = ["DEFAULT_MEMORY_BUDGET", "Budget", "Engine", "Job", "Parallelism", "Parts", "Shared", "Stream",
            "usable_cores"]

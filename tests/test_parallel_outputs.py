@@ -68,3 +68,23 @@ def test_lora_verbs_do_not_depend_on_workers(adapters, tmp_path):
                      files(merged_orbax), files(merged_peft))
     for a, b in zip(got["serial"], got["parallel"]):
         assert a and a == b
+
+
+def test_bad_workers_or_budget_is_one_line_and_writes_nothing(checkpoints, tmp_path):
+    from conftest import run_cli
+
+    src = checkpoints["keqv_lm_f32_sharded"]
+    for flags, words in ((["--workers", "0"], "--workers"),
+                         (["--memory-budget", "lots"], "--memory-budget"),
+                         (["--memory-budget", "1MiB", "--chunk-size", "2MiB"], "--chunk-size")):
+        dst = tmp_path / "out"
+        proc = run_cli("convert", "safetensors-to-orbax", src, str(dst), *flags)
+        assert proc.returncode == 8, proc.stderr
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not dst.exists()
+    for verb in (["merge", src, str(tmp_path / "nope")], ["convert", "orbax-to-safetensors", str(tmp_path / "nope")],
+                 ["convert", "orbax-to-peft", str(tmp_path / "nope"), "--base", src],
+                 ["convert", "peft-to-orbax", str(tmp_path / "nope"), "--base", src]):
+        proc = run_cli(*verb, str(tmp_path / "m"), "--workers", "-1")  # checked before any input is opened
+        assert proc.returncode == 8 and "workers (--workers)" in proc.stderr, proc.stderr
+        assert not (tmp_path / "m").exists()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ckptbridge.errors import ConfigError
-from ckptbridge.stream import Budget, Engine, Parts, Shared, engine_for, usable_cores
+from ckptbridge.stream import Budget, Engine, Parallelism, Parts, Shared, usable_cores
 
 
 def _threads(prefix: str) -> list[threading.Thread]:
@@ -186,10 +186,10 @@ def test_budget_and_engine_refuse_nonsense():
         Engine(0)
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ConfigError, match=r"workers \(--workers\)"):
-            engine_for(bad)
+            Parallelism.of(bad)
     with pytest.raises(ConfigError, match=r"memory_budget \(--memory-budget\)"):
-        engine_for(memory_budget="lots")
+        Parallelism.of(memory_budget="lots")
     with pytest.raises(ConfigError, match=r"less than one piece .*chunk_size"):
-        engine_for(memory_budget="1MiB", least=2 << 20, least_what="chunk_size (--chunk-size)")
-    with engine_for(None, "64MiB", name="t-default") as engine:
+        Parallelism.of(memory_budget="1MiB", least=2 << 20, least_what="chunk_size (--chunk-size)")
+    with Parallelism.of(None, "64MiB").engine("t-default") as engine:
         assert engine.workers == usable_cores() and engine.budget.limit == 64 << 20
