@@ -11,7 +11,7 @@ Gemma 4 MoE (one HF tensor per layer's experts), whose layers are mostly experts
 with a small ``--chunk-size`` the peak shows whether conversions hold a tensor whole.
 
     .venv/bin/python benchmarks/memory_vs_layers.py [--model gemma4|qwen3_moe|gemma4_moe] [--layers 4 16]
-        [--vocab V1 V2] [--chunk-size SIZE] [--width 1024] [--out FILE] [--max-growth 0.6]
+        [--vocab V1 V2] [--chunk-size SIZE] [--memory-budget SIZE] [--width 1024] [--out FILE] [--max-growth 0.6]
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors
 from ckptbridge.merge import merge_lora
 import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
 what, src, dst = sys.argv[1:4]
-chunk = {"chunk_size": sys.argv[4]} if what in ("s2o", "o2s") and len(sys.argv) > 4 else {}
+kw = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # the verb's keyword arguments
 t = time.perf_counter()
 if what == "s2o":
-    convert_safetensors_to_orbax(src, dst, progress=False, **chunk)
+    convert_safetensors_to_orbax(src, dst, progress=False, **kw)
 elif what == "o2s":
-    convert_orbax_to_safetensors(src, dst, progress=False, **chunk)
+    convert_orbax_to_safetensors(src, dst, progress=False, **kw)
 elif what == "merge":
-    merge_lora(src, sys.argv[4], dst, progress=False)
+    merge_lora(src, kw.pop("adapter"), dst, progress=False, **kw)
 # peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork)
 with open("/proc/self/status") as f:
     hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -82,6 +82,7 @@ def main() -> None:
                     help="compare these vocabulary sizes at the first --layers count instead of layer counts: the "
                     "embedding, the largest tensor, grows (default vocabulary: 8 D)")
     ap.add_argument("--chunk-size", help="--chunk-size of both conversions (default: ckptbridge's)")
+    ap.add_argument("--memory-budget", help="--memory-budget of every verb (default: ckptbridge's)")
     ap.add_argument("--out", help="write results JSON here")
     ap.add_argument("--max-growth", type=float,
                     help="exit 1 when a peak RSS grows by more than this many MB per MB of checkpoint between the "
@@ -95,7 +96,8 @@ def main() -> None:
     rows = []
     try:
         baseline = measure("none", "", "")
-        chunk = [args.chunk_size] if args.chunk_size else []
+        budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
+        convert = json.dumps({**budget, **({"chunk_size": args.chunk_size} if args.chunk_size else {})})
         sizes = [(args.layers[0], v) for v in args.vocab] if args.vocab else [(n, dims["vocab_size"]) for n in args.layers]
         for n, vocab in sizes:
             hf = os.path.join(tmp, f"hf{n}")
@@ -104,10 +106,10 @@ def main() -> None:
             t = time.perf_counter()
             subprocess.run(["cp", "-r", hf, hf + ".cp"], check=True)
             cp_s = time.perf_counter() - t
-            s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"), *chunk)
-            o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"), *chunk)
+            s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"), convert)
+            o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"), convert)
             adapter = write_random_adapter(hf, os.path.join(tmp, f"adapter{n}"), r=16)
-            merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), adapter)
+            merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), json.dumps({**budget, "adapter": adapter}))
             rows.append({"layers": n, "vocab": vocab, "embedding_mb": vocab * d * 2 / 2**20,
                          "checkpoint_mb": size / 2**20, "cp_s": cp_s,
                          "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
@@ -120,7 +122,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"model {args.model}, width D={d}, bf16, chunk size {args.chunk_size or 'default'}; baseline RSS after "
+    print(f"model {args.model}, width D={d}, bf16, chunk size {args.chunk_size or 'default'}, memory budget "
+          f"{args.memory_budget or 'default'}; baseline RSS after "
           f"imports: {baseline['peak_rss_mb']:.0f} MB")
     print(f"{'layers':>6} {'emb MB':>7} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} "
           f"{'o2s peak MB':>12} {'merge s':>8} {'merge peak MB':>14}")
