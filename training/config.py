@@ -63,6 +63,9 @@ class TrainConfig:
     dtype: str = "bfloat16"
     usd_per_hour: float = 16.80  # TPU v5p-8 on-demand rate used by the paper's cost figures
     xla_flags: str = "--xla_llvm_disable_expensive_passes=true"
+    # JAX's persistent compilation cache: "" = RUN_DIR/compile_cache, a directory (one shared by
+    # runs of the same shapes), or "off"; a resumed run loads its programs instead of compiling
+    compile_cache: str = ""
     # train even where Tunix's model of the base's family computes another model than transformers
     # (a RoPE theta or scaling it ignores); the run then trains what Tunix computes
     allow_config_mismatch: bool = False

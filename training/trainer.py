@@ -69,6 +69,10 @@ class Run:
     def plot(self) -> str:
         return os.path.join(self.root, "loss.png")
 
+    @property
+    def compile_cache(self) -> str:
+        return os.path.join(self.root, "compile_cache")
+
 
 def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bool | None = None) -> dict:
     """Train (or resume) a LoRA run. Returns the summary written to ``out/run.json``."""
@@ -82,9 +86,11 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     from ckptbridge import qwix_lora
     from ckptbridge.lora import open_base
     from ckptbridge.tunix_model import apply_lora_rules, check_config, load_tunix_model
+    from training import compiles
     from training.mesh import make_mesh
 
     t_start = time.perf_counter()
+    compiles.watch()
     run = Run(out)
     base_info = open_base(base)
     check_config(base_info.cfg, cfg.allow_config_mismatch, warn=False)  # before anything is written
@@ -94,6 +100,9 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     _check_same_run(run, settings)
     with open(run.config, "w") as f:
         json.dump(settings, f, indent=2)
+    if cfg.compile_cache != "off":  # before the first compilation
+        cache = compiles.use_cache(cfg.compile_cache or run.compile_cache)
+        log.info("compilation cache %s", cache)
     for key, value in settings.items():
         log.info("setting %s = %s", key, value)
 
@@ -146,6 +155,12 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         log.info("resumed from step %d (%d tokens seen)", step, tokens_seen)
         _truncate_metrics(run.metrics, step)
     iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args), state.data_state)
+    # Every variable on its annotated sharding before the first step, where apply_step leaves them
+    # after each: a freshly built or restored optimizer holds its scalars (step and Adam counts)
+    # unplaced, and the second step would otherwise see other input shardings and compile again.
+    placed = nnx.state((model, optimizer))
+    nnx.update((model, optimizer), jax.device_put(placed, nnx.get_named_sharding(placed, mesh)))
+    del placed
 
     @nnx.jit
     def grad_step(model, batch):
@@ -178,9 +193,11 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     bar = _progress(total_steps, step, progress)
     seq_tokens = cfg.micro_batch * cfg.max_length
+    first_step_seconds = None  # from the start of this session to the end of its first step
     with open(run.metrics, "a") as metrics_file:
         while step < total_steps:
             t0 = time.perf_counter()
+            compiled_before = compiles.totals()
             acc, losses, real, loss_tokens = None, [], 0, 0
             for micro in range(cfg.grad_accum):
                 try:
@@ -205,10 +222,15 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
             step += 1
             tokens_seen += real
             dt = time.perf_counter() - t0
+            compiled = compiles.totals().since(compiled_before)
             record = {"step": step, "loss": float(np.mean(losses)), "grad_norm": grad_norm, "lr": lr,
                       "tokens": real, "loss_tokens": loss_tokens, "tokens_per_s": real / dt,
                       "real_token_fraction": real / (seq_tokens * len(losses)), "seconds": dt,
-                      "tokens_seen": tokens_seen}
+                      "tokens_seen": tokens_seen, "compiles": compiled.compiles,
+                      "compile_seconds": round(compiled.seconds, 3), "compile_cache_hits": compiled.cache_hits,
+                      "since_start_seconds": round(time.perf_counter() - t_start, 3)}
+            if first_step_seconds is None:
+                first_step_seconds = record["since_start_seconds"]
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             _report(bar, record, cfg.log_every, total_steps)
@@ -218,7 +240,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     if bar is not None:
         bar.close()
     manager.close()
-    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start)
+    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start, first_step_seconds)
     return summary
 
 
@@ -280,8 +302,10 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: float) -> dict:
+def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: float,
+               first_step_seconds: float | None) -> dict:
     records = read_metrics(run.metrics) if os.path.isfile(run.metrics) else []
+    steady = [r["tokens_per_s"] for r in records if not r.get("compiles")]  # steps that compiled nothing
     tokens = sum(r["tokens"] for r in records)
     capacity = sum(r["tokens"] / r["real_token_fraction"] for r in records if r["real_token_fraction"])
     train_seconds = sum(r["seconds"] for r in records)
@@ -294,6 +318,9 @@ def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: floa
         "real_token_fraction": tokens / capacity if capacity else None,
         "train_seconds": train_seconds,
         "tokens_per_s": tokens / train_seconds if train_seconds else None,
+        "steady_tokens_per_s": float(np.median(steady)) if steady else None,
+        "compile_seconds": round(sum(r.get("compile_seconds", 0.0) for r in records), 3),
+        "first_step_seconds_this_session": first_step_seconds,
         "wall_seconds_this_session": wall,
         "usd_per_hour": cfg.usd_per_hour,
         "cost_usd": cfg.usd_per_hour * train_seconds / 3600,
