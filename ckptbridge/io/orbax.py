@@ -9,8 +9,9 @@ Two writers, chosen once per process by :func:`orbax_writer`:
   steps (``_background_serialize``, ``_open_and_write``), so that each leaf is produced (read +
   rearranged) only when Orbax writes it, in row blocks stored as chunks of their own, on the
   workers of a :class:`~ckptbridge.stream.Engine` within its memory budget. Used where those
-  steps have the signatures it was written against (:data:`PRIVATE_CONTRACT`; each of orbax-checkpoint 0.12.0 to 0.12.8 tested with
-  scripts/orbax_versions.sh: same contract, outputs identical to the pinned environment's).
+  steps have the signatures it was written against (:data:`PRIVATE_CONTRACT`; each of
+  orbax-checkpoint 0.12.0 to 0.12.8 tested with scripts/orbax_versions.sh: same contract,
+  outputs identical to the pinned environment's).
 * ``public``: Orbax's ``NumpyHandler`` as it is, through its public interface only. Each leaf
   is produced into a memory-mapped scratch file beside the output and handed to Orbax as an
   array; slower (every byte is written twice) but independent of Orbax's internals. Used when
