@@ -82,6 +82,68 @@ def forward(model, tokens, positions, mask):
     return logits
 
 
+def _keep_output_class():
+    from flax import nnx
+
+    class KeepOutput(nnx.Module):
+        """A module that calls another and keeps what it returns (an ``nnx.Intermediate``)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, *args, **kwargs):
+            out = self.inner(*args, **kwargs)
+            self.sow(nnx.Intermediate, "output", out)
+            return out
+
+    return KeepOutput
+
+
+_KEEP_OUTPUT: list = []
+
+
+def keep_hidden_states(model):
+    """Let :func:`hidden_states` read ``model``'s final-normed hidden states: its last norm (the
+    spec's ``final_norm``) is wrapped in a module that keeps its output. The model computes the
+    same logits as before; its parameters move under ``<final_norm>.inner``. Returns ``model``."""
+    t = tunix_spec(family_of_model(model))
+    if t.head is None:
+        raise UnsupportedError(f"family {family_of_model(model).name}: its spec names no output head")
+    if not _KEEP_OUTPUT:
+        _KEEP_OUTPUT.append(_keep_output_class())
+    norm = getattr(model, t.final_norm)
+    if not isinstance(norm, _KEEP_OUTPUT[0]):
+        setattr(model, t.final_norm, _KEEP_OUTPUT[0](norm))
+    return model
+
+
+def hidden_states(model, tokens, positions, mask):
+    """The final-normed hidden states (B, T, D) of a model prepared by :func:`keep_hidden_states`.
+    Its forward's logits are not used: under ``jit`` XLA leaves the output head out, and
+    :func:`head` computes logits from any part of the states."""
+    from flax import nnx
+
+    name = tunix_spec(family_of_model(model)).final_norm
+    kept = getattr(model, name)
+    if not isinstance(kept, tuple(_KEEP_OUTPUT)):
+        raise UnsupportedError("hidden_states: call keep_hidden_states(model) once after building the model")
+    model(tokens, positions, None, mask)
+    kept_state: Any = nnx.pop(kept, nnx.Intermediate)
+    outputs = kept_state["output"].get_value()
+    if len(outputs) != 1:
+        raise UnsupportedError(f"{type(model).__name__}.{name} ran {len(outputs)} times in one forward; expected once")
+    return outputs[0]
+
+
+def head(model, h):
+    """Logits of ``model``'s output head on final-normed hidden states ``h`` (..., D)."""
+    spec = family_of_model(model)
+    fn = tunix_spec(spec).head
+    if fn is None:
+        raise UnsupportedError(f"family {spec.name}: its spec names no output head")
+    return fn(model, h)
+
+
 def _check_divisible(name: str, shape: tuple[int, ...], sharding) -> None:
     """A clear error where Tunix's annotation splits a dimension the mesh axis does not divide."""
     spec = getattr(sharding, "spec", None)

@@ -156,7 +156,9 @@ def run(args) -> dict:
     metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     shutil.copyfile(os.path.join(run_dir, "loss.png"), os.path.join(out, "loss.png"))
     report["training"] = {**{k: summary[k] for k in ("steps", "first_loss", "final_loss", "tokens", "real_token_fraction",
-                                                     "tokens_per_s", "train_seconds", "examples", "dropped_too_long")},
+                                                     "tokens_per_s", "train_seconds", "examples", "dropped_too_long",
+                                                     "compile_seconds", "steady_tokens_per_s", "steady_step_seconds",
+                                                     "steady_mfu", "chip", "chips")},
                           "rank": cfg.rank, "alpha": cfg.alpha, "max_length": cfg.max_length,
                           "losses": [round(m["loss"], 4) for m in metrics]}
 
@@ -274,7 +276,10 @@ def render(r: dict) -> str:
         f"- rank {t['rank']}, alpha {t['alpha']:g}; {t['steps']} optimizer steps; loss {t['first_loss']:.4f} -> "
         f"{t['final_loss']:.4f}",
         f"- real-token fraction {_f(t['real_token_fraction'])} (packing on); {t['tokens']:,} tokens, "
-        f"{_f(t['tokens_per_s'], '.0f')} tokens/s, {t['train_seconds']:.1f} s of steps", "",
+        f"{_f(t['tokens_per_s'], '.0f')} tokens/s, {t['train_seconds']:.1f} s of steps",
+        f"- {t['compile_seconds']:.1f} s compiling; steady {_f(t['steady_step_seconds'], '.2f')} s per step, "
+        f"{_f(t['steady_tokens_per_s'], '.0f')} tokens/s; MFU {_f(t['steady_mfu'], '.1%')} on {t['chips']} x "
+        f"{t['chip']}", "",
         "![loss](loss.png)", "",
         "## Conversions", "",
         "| step | seconds | bytes |", "|---|---|---|",

@@ -22,7 +22,7 @@ from ckptbridge.sources import open_hf_source
 from ckptbridge.verify import compare_tensors, logits_parity, tunix_logits
 
 from conftest import flat_state, rewrite_checkpoint, run_cli, tree_hash
-from families import CASES, rows
+from families import CASES, TOKENS, rows
 
 ASSETS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -184,6 +184,28 @@ def test_orbax_tree_gives_transformers_logits(checkpoints, converted, precise, n
     rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
     assert rel <= 1e-5, rel
     assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name", rows("logits"))
+def test_head_on_kept_hidden_states_gives_the_forward_logits(checkpoints, name):
+    """The family's Tunix model, its last norm kept (what the training loss in chunks reads), and
+    the spec's output head on those hidden states give the logits of its own forward, bit for bit:
+    fails where a Tunix release computes its head otherwise or calls its norm other than once."""
+    import jax.numpy as jnp
+
+    from ckptbridge.tunix_model import forward, head, hidden_states, keep_hidden_states, load_tunix_model
+
+    model, _ = load_tunix_model(checkpoints[name], param_dtype=np.float32, skip_multimodal=True)
+    tokens = jnp.asarray(TOKENS, jnp.int32)
+    b, t = tokens.shape
+    positions, mask = jnp.tile(jnp.arange(t)[None], (b, 1)), jnp.tril(jnp.ones((b, t, t), bool))
+    want = np.asarray(forward(model, tokens, positions, mask))
+    keep_hidden_states(model)
+    h = hidden_states(model, tokens, positions, mask)
+    assert h.shape[:2] == (b, t) and h.shape[2] != want.shape[2]
+    got = np.asarray(head(model, h))
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert np.array_equal(np.asarray(forward(model, tokens, positions, mask)), want)  # the model is unchanged
 
 
 @pytest.mark.slow

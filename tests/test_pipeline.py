@@ -23,13 +23,14 @@ def test_main_job_smallest_setting(tmp_path):
     assert report["conversion"]["identical"] and report["parity"]["rel_l2"] <= 5e-5
     t = report["training"]
     assert t["steps"] >= 2 and t["final_loss"] < t["first_loss"] and 0 < t["real_token_fraction"] <= 1
+    assert t["compile_seconds"] > 0 and t["steady_tokens_per_s"] > 0 and t["chip"] == "cpu" and t["steady_mfu"] is None
     assert report["export"]["peft_vs_tunix_rel_l2"] <= 5e-5 and report["export"]["merged_vs_tunix_rel_l2"] <= 5e-5
     assert report["serving"]["adapter_tokens_equal_hf_peft"] and report["serving"]["adapter_changes_tokens"]
     assert all(p["failed"] == 0 and p["output_tok_s"] > 0 for p in report["bench"]["points"])
     assert report["eval"]["samples"] == 2 * report["eval"]["problems"] and report["eval"]["references_pass@1"] == 1.0
     assert [round(r["hours"]) for r in report["cost"]["tco"]] == [1, 8, 24]
     md = (out / "report.md").read_text()
-    for text in ("Result: **PASS**", "loss.png", "throughput_vs_qps.png", "pass@1", "total $"):
+    for text in ("Result: **PASS**", "loss.png", "s compiling; steady", "throughput_vs_qps.png", "pass@1", "total $"):
         assert text in md, text
     for name in ("loss.png", "throughput_vs_qps.png", "ttft_vs_qps.png", "bench.json", "eval.json", "samples.jsonl"):
         assert (out / name).stat().st_size > 0, name

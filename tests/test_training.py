@@ -144,6 +144,129 @@ def test_lora_under_remat_and_dropout(base, tokenizer):
         assert np.linalg.norm(grads[remat] - grads[None]) <= 1e-5 * np.linalg.norm(grads[None]), remat
 
 
+def _lora_model(src, rank=8):
+    import jax
+    from flax import nnx
+
+    from ckptbridge.specs import GEMMA4
+    from ckptbridge.tunix_model import apply_lora_rules, keep_hidden_states, load_tunix_model
+
+    model, _ = load_tunix_model(src, param_dtype=np.float32)
+    rules = build_config("tiny-cpu", None, [f"rank={rank}"]).lora_rules(GEMMA4.lora_targets)
+    model = apply_lora_rules(model, rules)
+    state = nnx.state(model, nnx.LoRAParam)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.01, state))  # non-zero B: every factor gets a gradient
+    return keep_hidden_states(model)
+
+
+def _loss_and_grads(model, chunk):
+    """jit(value_and_grad) of the training loss over the LoRA factors, as a pure function."""
+    import jax
+    from flax import nnx
+
+    from training.trainer import lm_loss
+
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    fn = jax.jit(jax.value_and_grad(lambda lora, rest, batch: lm_loss(nnx.merge(graphdef, lora, rest), batch,
+                                                                      chunk)[0]))
+    return fn, lora, rest
+
+
+def test_loss_in_chunks_equals_the_plain_loss(base, tokenizer):
+    """The loss over the output head in sequence chunks (loss_chunk, default 512) gives the loss
+    and LoRA gradients of the plain form (full logits) to 1e-6 relative, on packed data whose
+    length is no multiple of the chunk."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = _lora_model(base)
+    enc = data_lib.encode_rows(tokenizer, data_lib.read_rows(SAMPLE)[:8], 256)
+    batch = next(iter(data_lib.pipeline(enc.examples, seq_len=300, batch=2, packing=True, seed=0)))
+    batch = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
+    results = {}
+    for chunk in (0, 64, 512):
+        fn, lora, rest = _loss_and_grads(model, chunk)
+        loss, grads = fn(lora, rest, batch)
+        results[chunk] = float(loss), np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+    loss0, grads0 = results[0]
+    assert np.isfinite(loss0) and np.linalg.norm(grads0) > 0
+    for chunk in (64, 512):
+        loss, grads = results[chunk]
+        assert abs(loss - loss0) <= 1e-6 * abs(loss0), chunk
+        assert np.linalg.norm(grads - grads0) <= 1e-6 * np.linalg.norm(grads0), chunk
+
+
+def test_loss_in_chunks_memory_does_not_grow_with_vocab_times_sequence(tmp_path):
+    """XLA's own figure for the compiled loss-and-gradient program (temporary buffers): doubling a
+    wide vocab adds at least one batch x sequence x vocab float32 array to the plain form, and
+    in chunks of 64 a few batch x 64 x vocab ones (less than half of the former)."""
+    import jax
+
+    from ckptbridge.testing import build_checkpoint
+
+    b, t = 2, 1024
+    batch = {"tokens": np.arange(b * t).reshape(b, t) % 300, "segment_ids": np.ones((b, t)),
+             "positions": np.tile(np.arange(t), (b, 1)), "loss_mask": np.ones((b, t))}
+    batch = {k: jax.numpy.asarray(v, jax.numpy.int32) for k, v in batch.items()}
+    temp = {}
+    for vocab in (16384, 32768):
+        src = build_checkpoint(str(tmp_path / f"v{vocab}"), family="gemma4", dtype="float32", seed=1,
+                               vocab_size=vocab, tokenizer=False)
+        model = _lora_model(src, rank=4)
+        for chunk in (0, 64):
+            fn, lora, rest = _loss_and_grads(model, chunk)
+            temp[vocab, chunk] = fn.lower(lora, rest, batch).compile().memory_analysis().temp_size_in_bytes
+    logits = b * t * 16384 * 4  # the float32 logits added by doubling the vocab
+    assert temp[32768, 0] - temp[16384, 0] >= logits, temp
+    assert temp[32768, 64] - temp[16384, 64] < logits / 2, temp
+    assert temp[32768, 64] < temp[32768, 0] / 2, temp
+
+
+@pytest.mark.parametrize("name", ["keqv_lm_f32_sharded", "gemma4_e2b", "qwen3_moe", "qwen3_untied", "llama3_tied",
+                                  "gemma_fused"])
+def test_model_flops_count_every_matmul_weight_of_the_files(checkpoints, name):
+    """The matmul parameters behind the MFU figure equal a count over the safetensors files
+    themselves: every tensor of two or more axes but the embedding tables, experts at top_k of
+    num_experts, plus the output head (vocab x hidden, tied or not)."""
+    import glob
+
+    from safetensors import safe_open
+
+    from ckptbridge.lora import open_base
+    from training import throughput
+
+    src = checkpoints[name]
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    experts, top_k = text.get("num_experts") or text.get("num_local_experts"), text.get("num_experts_per_tok")
+    count = text["vocab_size"] * text["hidden_size"]
+    for path in glob.glob(os.path.join(src, "*.safetensors")):
+        with safe_open(path, "np") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                if len(shape) < 2 or "embed_tokens" in key or key == "lm_head.weight":
+                    continue
+                n = int(np.prod(shape))
+                count += n * top_k / experts if ".experts." in key else n
+    b = open_base(src)
+    flops = throughput.lora_step_flops(b.cfg, b.spec, 1024, lora_params=1000)
+    assert flops.matmul_params == count
+    assert flops.weights == 4 * count and flops.lora == 6000 and flops.attention > 0
+
+
+def test_chip_peaks():
+    from training import throughput
+
+    assert throughput.chip_peak_tflops("TPU v5p") == 459 and throughput.chip_peak_tflops("TPU v6 lite") == 918
+    assert throughput.chip_peak_tflops("TPU v5 lite") == 197
+    assert throughput.chip_peak_tflops("NVIDIA H100 80GB HBM3") == 989
+    assert throughput.chip_peak_tflops("NVIDIA H200") == 989
+    assert throughput.chip_peak_tflops("cpu") is None
+    assert throughput.mfu(1e9, 1000.0, 4, 459.0) == pytest.approx(1e12 / (4 * 459e12))
+    assert throughput.mfu(1e9, 1000.0, 1, None) is None
+
+
 def test_presets_and_overrides(tmp_path):
     cfg = build_config("gemma4-31b-v5p8")
     assert (cfg.rank, cfg.alpha, cfg.dropout, cfg.learning_rate, cfg.warmup_steps, cfg.weight_decay) == (

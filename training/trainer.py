@@ -29,18 +29,68 @@ from training.config import TrainConfig
 log = logging.getLogger("training")
 
 
-def lm_loss(model, batch: dict):
-    """Mean next-token NLL over the loss tokens of ``batch`` (and their count)."""
+def lm_loss(model, batch: dict, loss_chunk: int = 0):
+    """Mean next-token NLL over the loss tokens of ``batch`` (and their count).
+
+    ``loss_chunk`` = 0: from the forward's logits (batch x sequence x vocab in float32 at once).
+    ``loss_chunk`` = C > 0: the model (prepared by ``keep_hidden_states``) gives its final hidden
+    states, and the output head, log-softmax and NLL run on C positions at a time, each chunk
+    rematerialised in the backward pass: at most batch x C x vocab logits are alive, whatever the
+    sequence. The same loss and gradients up to float32 summation order.
+    """
     import jax
     import jax.numpy as jnp
 
+    from ckptbridge.tunix_model import forward, hidden_states
+
     tokens, seg, pos, lm = batch["tokens"], batch["segment_ids"], batch["positions"], batch["loss_mask"]
-    logits, _ = model(tokens, pos, None, data_lib.attention_mask(seg, jnp))
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    mask = data_lib.attention_mask(seg, jnp)
     valid = (lm[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
     count = valid.sum()
-    return jnp.where(valid, nll, 0.0).sum() / jnp.maximum(count, 1), count
+    targets = tokens[:, 1:]
+    if loss_chunk:
+        total = chunked_nll(model, hidden_states(model, tokens, pos, mask)[:, :-1], targets, valid, loss_chunk)
+    else:
+        logits = forward(model, tokens, pos, mask)
+        total = jnp.where(valid, _nll(logits[:, :-1], targets), 0.0).sum()
+    return total / jnp.maximum(count, 1), count
+
+
+def _nll(logits, targets):
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def chunked_nll(model, h, targets, valid, chunk: int):
+    """Sum of the NLL of ``targets`` (B, T) where ``valid``, from final hidden states ``h`` (B, T, D)
+    through ``model``'s output head, ``chunk`` positions at a time (a scan of rematerialised steps)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ckptbridge.tunix_model import head
+
+    b, t, d = h.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        valid = jnp.pad(valid, ((0, 0), (0, pad)))
+    parts = (h.reshape(b, n, chunk, d).swapaxes(0, 1), targets.reshape(b, n, chunk).swapaxes(0, 1),
+             valid.reshape(b, n, chunk).swapaxes(0, 1))
+
+    @jax.checkpoint
+    def one(h_c, t_c, v_c):
+        return jnp.where(v_c, _nll(head(model, h_c), t_c), 0.0).sum()
+
+    def step(total, part):
+        return total + one(*part), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), parts)
+    return total
 
 
 @dataclasses.dataclass
@@ -85,8 +135,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     import orbax.checkpoint as ocp
     from ckptbridge import qwix_lora
     from ckptbridge.lora import open_base
-    from ckptbridge.tunix_model import apply_lora_rules, check_config, load_tunix_model
-    from training import compiles
+    from ckptbridge.tunix_model import apply_lora_rules, check_config, keep_hidden_states, load_tunix_model
+    from training import compiles, throughput
     from training.mesh import make_mesh
 
     t_start = time.perf_counter()
@@ -134,10 +184,19 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                                 allow_config_mismatch=cfg.allow_config_mismatch)
     rules = [dict(r, dropout=cfg.dropout) for r in lora_rules]
     model = apply_lora_rules(model, rules, seed=cfg.seed)
+    if cfg.loss_chunk:
+        keep_hidden_states(model)
     replaced, total = qwix_lora.fix_lora_shardings(model, mesh)
     dropout_rngs = qwix_lora.dropout_stream(model, cfg.seed) if cfg.dropout > 0 else None
     log.info("mesh %s; LoRA factors: %d of %d sharded over it, %d replicated (their base annotation does not "
              "fit them)", dict(mesh.shape), total - replaced, total, replaced)
+    lora_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    flops = throughput.lora_step_flops(base_info.cfg, base_info.spec, cfg.max_length, lora_params)
+    chip = jax.devices()[0].device_kind
+    peak = throughput.chip_peak_tflops(chip)
+    log.info("model FLOPs per token %.3g (matmul weights %.3g, attention %.3g, LoRA %.3g); %d x %s%s",
+             flops.total, flops.weights, flops.attention, flops.lora, mesh.devices.size, chip,
+             f" at {peak:g} TFLOP/s bf16 each" if peak else " (no peak known: no MFU)")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=min(cfg.warmup_steps, total_steps),
         decay_steps=max(total_steps, cfg.warmup_steps + 1), end_value=0.0)
@@ -165,7 +224,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     @nnx.jit
     def grad_step(model, batch):
         grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
-        (loss, count), grads = grad_fn(model, batch)
+        (loss, count), grads = grad_fn(model, batch, cfg.loss_chunk)
         return loss, count, grads
 
     @nnx.jit
@@ -228,7 +287,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                       "real_token_fraction": real / (seq_tokens * len(losses)), "seconds": dt,
                       "tokens_seen": tokens_seen, "compiles": compiled.compiles,
                       "compile_seconds": round(compiled.seconds, 3), "compile_cache_hits": compiled.cache_hits,
-                      "since_start_seconds": round(time.perf_counter() - t_start, 3)}
+                      "since_start_seconds": round(time.perf_counter() - t_start, 3),
+                      "mfu": throughput.mfu(flops.total, real / dt, mesh.devices.size, peak)}
             if first_step_seconds is None:
                 first_step_seconds = record["since_start_seconds"]
             metrics_file.write(json.dumps(record) + "\n")
@@ -240,7 +300,9 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     if bar is not None:
         bar.close()
     manager.close()
-    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start, first_step_seconds)
+    hardware = {"chip": chip, "chips": int(mesh.devices.size), "peak_tflops_per_chip": peak,
+                "flops_per_token": flops.total, "peak_memory_bytes": _peak_memory()}
+    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start, first_step_seconds, hardware)
     return summary
 
 
@@ -302,10 +364,20 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _peak_memory() -> int | None:
+    """Peak bytes in use on the first device (GPU, TPU); None where jax keeps no count (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
 def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: float,
-               first_step_seconds: float | None) -> dict:
+               first_step_seconds: float | None, hardware: dict) -> dict:
     records = read_metrics(run.metrics) if os.path.isfile(run.metrics) else []
-    steady = [r["tokens_per_s"] for r in records if not r.get("compiles")]  # steps that compiled nothing
+    steady_steps = [r for r in records if not r.get("compiles")]  # steps that compiled nothing
+    steady = [r["tokens_per_s"] for r in steady_steps]
+    steady_mfu = [r["mfu"] for r in steady_steps if r.get("mfu") is not None]
     tokens = sum(r["tokens"] for r in records)
     capacity = sum(r["tokens"] / r["real_token_fraction"] for r in records if r["real_token_fraction"])
     train_seconds = sum(r["seconds"] for r in records)
@@ -319,6 +391,9 @@ def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: floa
         "train_seconds": train_seconds,
         "tokens_per_s": tokens / train_seconds if train_seconds else None,
         "steady_tokens_per_s": float(np.median(steady)) if steady else None,
+        "steady_step_seconds": float(np.median([r["seconds"] for r in steady_steps])) if steady_steps else None,
+        "steady_mfu": float(np.median(steady_mfu)) if steady_mfu else None,
+        **hardware,
         "compile_seconds": round(sum(r.get("compile_seconds", 0.0) for r in records), 3),
         "first_step_seconds_this_session": first_step_seconds,
         "wall_seconds_this_session": wall,

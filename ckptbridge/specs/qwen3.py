@@ -49,7 +49,7 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
 TUNIX_MODULE = "tunix.models.qwen3.model"
 TUNIX_ROPE_THETA = 1_000_000.0
 TUNIX = dfirst.tunix_model(TUNIX_MODULE, "Qwen3", fixed_theta=TUNIX_ROPE_THETA, tie_field="use_tied_embedding",
-                          dtypes=True)
+                          dtypes=True, float32_logits=True)
 
 
 # All distinct: V, D, N, K, H, F.
@@ -80,6 +80,7 @@ QWEN3 = FamilySpec(
     model_flags=("untied_head",),
     tied_keys=("lm_head.weight",),
     tunix=TUNIX,
+    experts=dfirst.experts,
     vllm_tiny=VLLM_DIMS,
     peft_params=dfirst.EXPERT_PARAMS,
 )
