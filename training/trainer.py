@@ -38,7 +38,6 @@ def lm_loss(model, batch: dict, loss_chunk: int = 0):
     rematerialised in the backward pass: at most batch x C x vocab logits are alive, whatever the
     sequence. The same loss and gradients up to float32 summation order.
     """
-    import jax
     import jax.numpy as jnp
 
     from ckptbridge.tunix_model import forward, hidden_states
@@ -333,10 +332,12 @@ def _truncate_metrics(path: str, step: int) -> None:
     """Drop metric lines past the checkpoint a run resumes from (they will be logged again)."""
     if not os.path.isfile(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path, "w") as f:
+    with open(path) as f:  # a line cut short by a kill has no newline: dropped
+        keep = [line for line in f if line.endswith("\n") and line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         f.writelines(keep)
+    os.replace(tmp, path)  # whole lines only, for anything reading the file meanwhile
 
 
 def _progress(total: int, start: int, enabled: bool | None):
