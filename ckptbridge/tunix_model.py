@@ -9,6 +9,7 @@ of Tunix's parameters.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -82,7 +83,9 @@ def forward(model, tokens, positions, mask):
     return logits
 
 
+@functools.cache
 def _keep_output_class():
+    """The wrapper module class (defined on first use: flax is imported only by callers that build models)."""
     from flax import nnx
 
     class KeepOutput(nnx.Module):
@@ -99,9 +102,6 @@ def _keep_output_class():
     return KeepOutput
 
 
-_KEEP_OUTPUT: list = []
-
-
 def keep_hidden_states(model):
     """Let :func:`hidden_states` read ``model``'s final-normed hidden states: its last norm (the
     spec's ``final_norm``) is wrapped in a module that keeps its output. The model computes the
@@ -109,11 +109,10 @@ def keep_hidden_states(model):
     t = tunix_spec(family_of_model(model))
     if t.head is None:
         raise UnsupportedError(f"family {family_of_model(model).name}: its spec names no output head")
-    if not _KEEP_OUTPUT:
-        _KEEP_OUTPUT.append(_keep_output_class())
+    keep_output = _keep_output_class()
     norm = getattr(model, t.final_norm)
-    if not isinstance(norm, _KEEP_OUTPUT[0]):
-        setattr(model, t.final_norm, _KEEP_OUTPUT[0](norm))
+    if not isinstance(norm, keep_output):
+        setattr(model, t.final_norm, keep_output(norm))
     return model
 
 
@@ -125,7 +124,7 @@ def hidden_states(model, tokens, positions, mask):
 
     name = tunix_spec(family_of_model(model)).final_norm
     kept = getattr(model, name)
-    if not isinstance(kept, tuple(_KEEP_OUTPUT)):
+    if not isinstance(kept, _keep_output_class()):
         raise UnsupportedError("hidden_states: call keep_hidden_states(model) once after building the model")
     model(tokens, positions, None, mask)
     kept_state: Any = nnx.pop(kept, nnx.Intermediate)

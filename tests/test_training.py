@@ -12,6 +12,7 @@ import pytest
 
 from training import data as data_lib
 from training.config import PRESETS, build_config
+from training.trainer import read_metrics
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training", "data_files",
                       "codev_sample.jsonl")
@@ -342,8 +343,7 @@ def metrics(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
-    with open(path) as f:  # whole lines: the run may be writing one
-        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+    return read_metrics(path)  # whole lines: the run may be writing one
 
 
 @pytest.mark.slow

@@ -332,8 +332,8 @@ def _truncate_metrics(path: str, step: int) -> None:
     """Drop metric lines past the checkpoint a run resumes from (they will be logged again)."""
     if not os.path.isfile(path):
         return
-    with open(path) as f:  # a line cut short by a kill has no newline: dropped
-        keep = [line for line in f if line.endswith("\n") and line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path) as f:
+        keep = [line for line in _whole_lines(f) if json.loads(line).get("step", 0) <= step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)
@@ -360,9 +360,15 @@ def _report(bar, record: dict, every: int, total: int) -> None:
                  record["real_token_fraction"])
 
 
+def _whole_lines(f) -> list[str]:
+    """The non-empty lines of a metrics file that end in a newline: a line cut short by a kill, or
+    one being written while another process reads, has none yet."""
+    return [line for line in f if line.endswith("\n") and line.strip()]
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in _whole_lines(f)]
 
 
 def _peak_memory() -> int | None:
