@@ -29,7 +29,7 @@ if [ "$venv" != .venv ]; then
   # test_gcs: the GCS emulator drops aiohttp 3.9.0's kept-alive connections now and then ("Server
   # disconnected", out of gcsfs's retries; one CI run in two); at the floors it is run by hand:
   # ./test.sh --floor tests/test_gcs.py
-  select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py
+  select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py --ignore=tests/test_quantize_reference.py
           --ignore=tests/test_packaging.py --ignore=tests/test_environments.py --ignore=tests/test_gcs.py)
 fi
 scripts/setup.sh

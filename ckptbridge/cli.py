@@ -4,7 +4,8 @@
     ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB]
     ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
-    ckptbridge merge BASE ADAPTER DST
+    ckptbridge merge BASE ADAPTER DST [--quantize int8|fp8]
+    ckptbridge quantize SRC DST --scheme int8|fp8
     ckptbridge inspect PATH [--json]
     ckptbridge verify logits HF_DIR [--tunix SRC]
     ckptbridge verify tensors A B
@@ -35,6 +36,7 @@ from ckptbridge.options import (
     KV_MODES,
     LIVE_TOLERANCE,
     LOGITS_TOLERANCE,
+    QUANT_SCHEMES,
     SERVED_TOKENS,
     TARGETS,
     parse_size,
@@ -140,7 +142,17 @@ def cmd_merge(args) -> int:
 
     _emit(args, merge_lora(args.base, args.adapter, args.dst, step=args.step, alpha=args.alpha,
                            max_shard_size=_size(args, "max_shard_size"), base_id=args.base_id, overwrite=args.overwrite,
-                           **_parallel(args), progress=_progress(args), revision=args.revision))
+                           **_parallel(args), progress=_progress(args), revision=args.revision,
+                           quantize=args.quantize))
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from ckptbridge.merge import quantize_model
+
+    _emit(args, quantize_model(args.src, args.dst, scheme=args.scheme, max_shard_size=_size(args, "max_shard_size"),
+                               base_id=args.base_id, overwrite=args.overwrite, **_parallel(args),
+                               progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -241,6 +253,14 @@ def _parallel_options(sp, what: str) -> None:
     sp.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
                     help=f"bytes of pieces read, computed or being written at once, over all workers (default "
                     f"{DEFAULT_MEMORY_BUDGET}: peak memory within 1.5 GB at 31B scale; at least one chunk)")
+
+
+def _quantize_option(sp, flag: str = "--quantize", required: bool = False) -> None:
+    sp.add_argument(flag, choices=QUANT_SCHEMES, required=required,
+                    help="int8: W8A8 (int8 weights, one scale per output channel, int8 activations per token at run "
+                    "time: vLLM on x86 CPUs, TPUs, GPUs); fp8: FP8_DYNAMIC (float8 e4m3 weights, per-token fp8 "
+                    "activations: Hopper/Ada GPUs). compressed-tensors, as llm-compressor writes it; the decoder's "
+                    "linear projections only" + ("" if required else " (default: not quantized)"))
 
 
 def _target_option(sp, what: str) -> None:
@@ -364,10 +384,29 @@ def add_merge(sub) -> None:
     _orbax_lora_options(sp)
     _max_shard_size_option(sp)
     _base_id_option(sp)
+    _quantize_option(sp)
     _parallel_options(sp, "compute merged row blocks ahead of the writer")
     _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(func=cmd_merge)
+
+
+def add_quantize(sub) -> None:
+    sp = sub.add_parser(
+        "quantize", help="quantize an HF model to int8 or fp8 (compressed-tensors, for vLLM)", epilog=EPILOG,
+        description="Quantize the linear projections of an HF model's decoder layers without calibration data, "
+        "streaming a block of rows at a time, into the compressed-tensors format llm-compressor writes (the same "
+        "bytes) and vLLM and transformers load. Embeddings, norms and the LM head are copied unchanged.",
+    )
+    sp.add_argument("src", metavar="SRC", help="HF model directory or Hub id (unquantized: BF16, F16 or F32)")
+    sp.add_argument("dst", metavar="DST", help="quantized HF model directory to create")
+    _quantize_option(sp, "--scheme", required=True)
+    _max_shard_size_option(sp)
+    _base_id_option(sp)
+    _parallel_options(sp, "read and quantize row blocks ahead of the writer")
+    _revision_option(sp, "SRC")
+    _output_options(sp)
+    sp.set_defaults(func=cmd_quantize)
 
 
 def add_inspect(sub) -> None:
@@ -476,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (add_s2o, add_o2s, add_o2p, add_p2o):
         add(csub)
     add_merge(sub)
+    add_quantize(sub)
     add_inspect(sub)
     ver = sub.add_parser("verify", help="check a conversion", description="Check a conversion.", epilog=EPILOG)
     vsub = ver.add_subparsers(dest="check", metavar="CHECK", required=True)

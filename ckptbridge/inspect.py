@@ -19,8 +19,8 @@ from ckptbridge.specs import get_family, parse_config
 SUMMARY_ORDER = ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
                  "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
                  "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
-                 "lora_ranks", "leaves", "tensors", "dtypes", "parameters", "bytes", "files", "metadata", "valid",
-                 "problem")
+                 "lora_ranks", "leaves", "tensors", "dtypes", "quantization", "parameters", "bytes", "files",
+                 "metadata", "valid", "problem")
 
 
 class Info(Report):
@@ -45,7 +45,7 @@ class Info(Report):
 
 @dataclasses.dataclass(frozen=True)
 class HFModelInfo(Info):
-    OMIT_NONE = ("key_prefix", "problem")
+    OMIT_NONE = ("key_prefix", "problem", "quantization")
 
     kind: str
     path: str
@@ -63,6 +63,7 @@ class HFModelInfo(Info):
     key_prefix: str | None
     valid: bool
     problem: str | None
+    quantization: str | None = None  # how a quantized model is stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,17 +131,17 @@ def _inspect_hf(path: str) -> HFModelInfo:
         params = sum(_count(model.info(k).shape) for k in model.keys())
         nbytes = sum(model.info(k).nbytes for k in model.keys())
         files = sorted(model.files)
-    prefix = problem = None
+    prefix = problem = quantization = None
     try:
-        with open_hf_source(path, skip_multimodal=True) as source:
-            prefix = source.prefix
+        with open_hf_source(path, skip_multimodal=True, quantized_ok=True) as source:
+            prefix, quantization = source.prefix, source.quantization
     except Exception as e:  # report, do not fail: inspect is for looking at broken things too
         problem = str(e)
     return HFModelInfo(kind="hf-model", path=path, family=cfg.family, model_type=cfg.model_type,
                        config_dialect=cfg.dialect, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
                        dtypes=dict(dtypes), parameters=params, bytes=nbytes, files=files, towers=list(cfg.towers),
                        tunix_mismatch=get_family(cfg.family).config_mismatches(cfg), key_prefix=prefix,
-                       valid=problem is None, problem=problem)
+                       valid=problem is None, problem=problem, quantization=quantization)
 
 
 def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:

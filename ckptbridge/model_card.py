@@ -125,8 +125,9 @@ def adapter_card(*, base_id: str | None, base_path: str, source: str, step: int 
 
 
 def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id: str | None, step: int | None,
-                family: str, merged_tensors: int) -> str:
-    """README.md of a model merged from a base and a LoRA adapter."""
+                family: str, merged_tensors: int, quantized: str | None = None) -> str:
+    """README.md of a model merged from a base and a LoRA adapter (``quantized``: how its weights were
+    quantized in the same pass, from :meth:`ckptbridge.quantize.Plan.describe`)."""
     base = base_id or os.path.abspath(base_path)
     meta: dict = {}
     if base_id:
@@ -146,6 +147,34 @@ def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id
         f" with ckptbridge {_version()}: W + (alpha / r) B A for each of {merged_tensors} weight tensors, "
         "accumulated in float32 and stored in the base's dtype; every other tensor is the base's, byte for "
         "byte. Loads with transformers and vLLM as the base does.\n\n",
+        f"Then quantized in the same pass: {_quantization(quantized)}" if quantized else "",
         _table([("model family", family), ("merged tensors", str(merged_tensors))]),
+        f"\n### Framework versions\n\n- ckptbridge {_version()}\n",
+    ])
+
+
+def _quantization(description: str) -> str:
+    return (f"{description}. The weights, scales and `quantization_config` are "
+            "those llm-compressor writes for the same scheme without calibration data; vLLM and transformers "
+            "(with compressed-tensors) load it as such.\n\n")
+
+
+def quantized_card(*, base_id: str | None, base_path: str, family: str, description: str) -> str:
+    """README.md of a quantized copy of an HF model."""
+    base = base_id or os.path.abspath(base_path)
+    meta: dict = {}
+    if base_id:
+        meta["base_model"] = [base_id]
+        meta["base_model_relation"] = "quantized"
+    meta["library_name"] = "transformers"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = ["ckptbridge", "compressed-tensors", "quantized"]
+    return "".join([
+        _yaml(meta),
+        f"# {base}, quantized\n\n",
+        f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"The model at `{base}`",
+        f" quantized with ckptbridge {_version()}, without calibration data: ",
+        _quantization(description),
+        _table([("model family", family)]),
         f"\n### Framework versions\n\n- ckptbridge {_version()}\n",
     ])

@@ -13,6 +13,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"  # largest safetensors shard written
 DEFAULT_MEMORY_BUDGET = "256MiB"
 TARGETS = ("hf", "vllm")  # where an exported or checked adapter runs: transformers/PEFT, or vLLM
 KV_MODES = ("exact", "svd")  # PEFT k/v factors with different A's -> one qwix A: stacked, or best shared
+QUANT_SCHEMES = ("int8", "fp8")  # weight quantizations written (ckptbridge.quantize.SCHEMES): W8A8, FP8_DYNAMIC
 LOGITS_TOLERANCE = 1e-5  # largest relative L2 of transformers vs Tunix logits (float32) that passes
 EXACT_TOLERANCE = 1e-4  # transformers+PEFT vs Tunix+qwix, float32
 LIVE_TOLERANCE = 1e-6  # below this relative change of the logits, an adapter does nothing

@@ -27,6 +27,8 @@ out x 1); a symmetric scheme stores no zero point.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -58,32 +60,186 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 # the source dtypes a scale can be stored in (compressed-tensors keeps the weight's)
+_BF16, _F16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
+_LITTLE = sys.byteorder == "little"
 SOURCE_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 
 
-def get_scheme(name: str) -> Scheme:
+def get_scheme(name: str, parameter: str = "scheme (--scheme)") -> Scheme:
+    """The scheme called ``name``; an UnsupportedError naming ``parameter`` for any other."""
     if name not in SCHEMES:
-        raise UnsupportedError(f"--quantize {name!r}: choose one of {', '.join(SCHEMES)}")
+        raise UnsupportedError(f"{parameter} {name!r}: choose one of {', '.join(SCHEMES)}")
     return SCHEMES[name]
 
 
+# rows quantized at a time inside one call: about 256 KiB of float32, so that the passes below stay in cache
+_CACHE_ELEMENTS = 1 << 16
+
+
+@functools.cache
+def _fp8_table(src: np.dtype, scheme: Scheme) -> np.ndarray:
+    """The quantized byte of every 16-bit value of ``src``: clamped and cast (nearest even)."""
+    values = np.arange(1 << 16, dtype=np.uint16).view(src).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.clip(values, scheme.q_min, scheme.q_max).astype(scheme.dtype).view(np.uint8)
+
+
+def _round_to_bfloat16(f: np.ndarray) -> None:
+    """Round float32 values in place to the nearest bfloat16 (ties to even), kept as float32."""
+    u = f.view(np.uint32)
+    t = u >> 16
+    t &= 1
+    t += 0x7FFF
+    u += t
+    u &= np.uint32(0xFFFF0000)
+
+
 def quantize_weight(w: np.ndarray, scheme: Scheme, where: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """``(weight, weight_scale)`` of the 2-D weight ``w`` (out x in) under ``scheme``."""
+    """``(weight, weight_scale)`` of the 2-D weight ``w`` (out x in) under ``scheme``.
+
+    Runs a few rows at a time through one float32 buffer the size of a cache; about 1.5 ns a value
+    for int8 and 3.5 for fp8 on one x86 core."""
     src = np.dtype(w.dtype)
     if src not in SOURCE_DTYPES:
         raise UnsupportedError(f"{where}: dtype {src} cannot be quantized to {scheme.name}; the source must be "
                                "bfloat16, float16 or float32")
     if w.ndim != 2:
         raise UnsupportedError(f"{where}: shape {w.shape} is not a matrix (out x in)")
-    wide = w.astype(np.float32)  # exact for every source dtype
-    amax = np.maximum(np.abs(np.minimum(wide.min(axis=1, keepdims=True), 0)),
-                      np.abs(np.maximum(wide.max(axis=1, keepdims=True), 0)))
-    scale = (amax / np.float32(scheme.divisor)).astype(src)
-    scale[scale == 0] = ml_dtypes.finfo(src).eps
-    scaled = (wide / scale.astype(np.float32)).astype(src).astype(np.float32)
-    clamped = np.clip(scaled, scheme.q_min, scheme.q_max)
-    if scheme.ct_type == "int":
-        q = np.rint(clamped).astype(scheme.dtype)  # rint: half to even, as torch.round
-    else:
-        q = clamped.astype(scheme.dtype)
+    out_dim, in_dim = w.shape
+    q = np.empty(w.shape, scheme.dtype)
+    scale = np.empty((out_dim, 1), src)
+    eps = ml_dtypes.finfo(src).eps
+    table = _fp8_table(src, scheme) if scheme.ct_type == "float" and src.itemsize == 2 else None
+    rows = max(1, _CACHE_ELEMENTS // max(1, in_dim))
+    buf = np.empty((min(rows, out_dim), in_dim), np.float32)
+    for r0 in range(0, out_dim, rows):
+        r1 = min(r0 + rows, out_dim)
+        f = buf[: r1 - r0]
+        np.copyto(f, w[r0:r1], casting="unsafe")  # exact for every source dtype
+        amax = np.maximum(f.max(axis=1, keepdims=True), 0)
+        np.maximum(amax, -f.min(axis=1, keepdims=True), out=amax)
+        s = (amax / np.float32(scheme.divisor)).astype(src)
+        s[s == 0] = eps
+        scale[r0:r1] = s
+        np.divide(f, s.astype(np.float32), out=f)
+        half = None  # the 16-bit patterns of w / scale in the source dtype
+        if src == _BF16:
+            _round_to_bfloat16(f)
+            if table is not None:
+                half = f.view(np.uint16)[:, 1::2] if _LITTLE else (f.view(np.uint32) >> 16).astype(np.uint16)
+        elif src == _F16:
+            h = f.astype(np.float16)
+            if table is not None:
+                half = h.view(np.uint16)
+            else:
+                np.copyto(f, h)
+        if scheme.ct_type == "int":
+            np.clip(f, scheme.q_min, scheme.q_max, out=f)
+            np.rint(f, out=f)  # half to even, as torch.round
+            np.copyto(q[r0:r1], f, casting="unsafe")
+        elif half is not None and table is not None:
+            np.take(table, half, out=q[r0:r1].view(np.uint8))
+        else:
+            np.clip(f, scheme.q_min, scheme.q_max, out=f)
+            q[r0:r1] = f.astype(scheme.dtype)
     return q, scale
+
+
+# --------------------------------------------------------------------------- a model's quantization
+
+# the compressed-tensors release whose format and config this writes (the reference the tests compare with)
+COMPRESSED_TENSORS_VERSION = "0.19.0"
+SCALE_SUFFIX = "weight_scale"
+
+
+def _args(scheme: Scheme, *, weights: bool) -> dict:
+    """compressed-tensors QuantizationArgs, as llm-compressor's presets serialize them."""
+    return {"actorder": None, "block_structure": None, "dynamic": not weights, "group_size": None, "num_bits": 8,
+            "observer": "memoryless_minmax" if weights else None, "observer_kwargs": {}, "scale_dtype": None,
+            "strategy": "channel" if weights else "token", "symmetric": True, "type": scheme.ct_type,
+            "zp_dtype": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What quantizing a model writes: the weights quantized (HF keys, in file order) and the linear
+    modules left in the source dtype (compressed-tensors' ``ignore``)."""
+
+    scheme: Scheme
+    weights: tuple[str, ...]
+    ignore: tuple[str, ...]
+
+    @staticmethod
+    def scale_key(weight_key: str) -> str:
+        return weight_key[: -len("weight")] + SCALE_SUFFIX
+
+    def config(self) -> dict:
+        """``quantization_config`` of config.json, key for key what llm-compressor writes."""
+        s = self.scheme
+        return {
+            "config_groups": {"group_0": {"format": s.format, "input_activations": _args(s, weights=False),
+                                          "output_activations": None, "targets": ["Linear"],
+                                          "weights": _args(s, weights=True)}},
+            "format": s.format, "global_compression_ratio": None, "ignore": list(self.ignore),
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "sparsity_config": {}, "transform_config": {}, "version": COMPRESSED_TENSORS_VERSION,
+        }
+
+    def hf_config(self, config: dict) -> dict:
+        return {**config, "quantization_config": self.config()}
+
+    def describe(self) -> str:
+        s = self.scheme
+        what = "int8" if s.ct_type == "int" else "float8 e4m3"
+        return (f"{len(self.weights)} linear projections of the decoder layers stored as {what} with one "
+                f"scale per output channel (compressed-tensors `{s.format}`, llm-compressor's `{s.preset}`: "
+                f"activations quantized per token at run time); embeddings, norms and the LM head keep the "
+                f"source dtype")
+
+
+def already_quantized(config: dict, dtypes: dict[str, str]) -> str | None:
+    """Why a model is quantized already (its config or a tensor says so), or None."""
+    from ckptbridge.sources import describe_quantization
+
+    q = describe_quantization(config)
+    if q:
+        return f"its config.json has a quantization_config: {q}"
+    for key, code in dtypes.items():
+        if key.endswith(("." + SCALE_SUFFIX, ".weight_packed")) or code in ("I8", "U8", "F8_E4M3", "F8_E5M2"):
+            return f"tensor {key} is {code}"
+    return None
+
+
+def plan_model(base, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], scheme: Scheme,
+               where: str) -> Plan:
+    """The quantization plan of the model ``base`` (a :class:`ckptbridge.lora.Base`) whose tensors are
+    ``dtypes``/``shapes`` (HF key -> dtype code, shape; in file order). The weights of the decoder's
+    linear projections (the modules LoRA can target) are quantized; every other matrix named
+    ``*.weight`` that is not a table read by token id is a linear module left alone and goes to
+    ``ignore``, as does ``lm_head`` (as compressed-tensors lists the unquantized linear modules)."""
+    from ckptbridge import layout, mapping
+    from ckptbridge.io.safetensors import DTYPES
+
+    spec, cfg = base.spec, base.cfg
+    if spec.experts is not None and spec.experts(cfg) is not None:
+        raise UnsupportedError(f"{where}: {spec.name} with mixture-of-experts layers cannot be quantized to "
+                               f"{scheme.name} here (its experts are 3-D tensors, not linear modules); quantize a "
+                               "dense model")
+    targets = {base.weight_key(name) for m in base.modules for name in m.hf_modules}
+    weights = tuple(k for k in dtypes if k in targets)
+    if not weights:
+        raise UnsupportedError(f"{where}: no linear projection of the decoder layers found to quantize")
+    for key in weights:
+        if len(shapes[key]) != 2:
+            raise UnsupportedError(f"{where}: {key} has shape {list(shapes[key])}, not a matrix (out x in)")
+        if DTYPES.get(dtypes[key]) not in SOURCE_DTYPES:
+            raise UnsupportedError(f"{where}: {key} is {dtypes[key]}; {scheme.name} quantizes BF16, F16 or F32 "
+                                   "weights")
+    vocab = set(spec.vocab_axes)
+    tables = {k for e in mapping.entries(cfg, spec, base.prefix) if vocab & set(layout.axes(e.rule.hf_layout))
+              for k in e.hf_keys}
+    chosen = set(weights)
+    ignore = [k[: -len(".weight")] for k in dtypes
+              if k.endswith(".weight") and k not in chosen and k not in tables and len(shapes[k]) == 2
+              and k != "lm_head.weight"]
+    return Plan(scheme, weights, tuple(ignore) + ("lm_head",))

@@ -62,6 +62,7 @@ class HFSource:
     entries: list[mapping.Entry]
     tower_keys: list[str]
     tied_keys: list[str]
+    quantization: str | None = None  # a quantized model's format (compressed-tensors), see quantize.describe_config
 
     def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
         return [self.model.array(k) for k in entry.hf_keys]
@@ -103,10 +104,28 @@ class HFSource:
         self.close()
 
 
-def open_hf_source(src: str, *, skip_multimodal: bool = False) -> HFSource:
-    """Open and fully validate an HF model directory (keys, shapes, dtypes) without reading weights."""
+def open_hf_source(src: str, *, skip_multimodal: bool = False, quantized_ok: bool = False) -> HFSource:
+    """Open and fully validate an HF model directory (keys, shapes, dtypes) without reading weights.
+    A quantized model (compressed-tensors: its weights' scales beside them) is refused unless
+    ``quantized_ok`` (for what needs its names and shapes only)."""
     with close_on_error(HFModelDir(src)) as model:
-        return _validate_hf(model, skip_multimodal)
+        source = _validate_hf(model, skip_multimodal)
+        if source.quantization and not quantized_ok:
+            raise UnsupportedError(f"{src}: a quantized model ({source.quantization}); ckptbridge converts "
+                                   "unquantized checkpoints: use the model it was quantized from")
+        return source
+
+
+def describe_quantization(config: dict) -> str | None:
+    """A line on how the model of ``config`` is quantized (its ``quantization_config``), or None."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        return "quantization_config present"
+    fmt = q.get("format") or next((g.get("format") for g in (q.get("config_groups") or {}).values()
+                                   if isinstance(g, dict)), None)
+    return ", ".join(str(x) for x in (q.get("quant_method", "unknown method"), fmt) if x)
 
 
 def find_prefix(spec: FamilySpec, keys) -> str | None:
@@ -148,7 +167,10 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
             f"{model.file_of(tied[0]).path}: {tied[0]} is untied from the embedding "
             f"(tie_word_embeddings false); Tunix's {spec.name} ties the output head to the embedding"
         )
-    unknown = sorted(text_keys - set(expected) - set(tied) - absent)
+    quantization = describe_quantization(model.config)
+    scales = {k for k in text_keys if k.endswith(".weight_scale") and k[: -len("_scale")] in expected} \
+        if quantization else set()
+    unknown = sorted(text_keys - set(expected) - set(tied) - absent - scales)
     if unknown:
         raise MismatchError(
             f"{model.file_of(unknown[0]).path}: unexpected tensor {unknown[0]!r}{more(unknown)}: not part of the "
@@ -173,7 +195,7 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
                 f"{model.path}: {' and '.join(entry.hf_keys)} have different dtypes {sorted(dts)}; "
                 "they are fused into one Tunix parameter and must match"
             )
-    return HFSource(model, cfg, spec, prefix, ents, tower_keys, tied)
+    return HFSource(model, cfg, spec, prefix, ents, tower_keys, tied, quantization)
 
 
 @dataclasses.dataclass

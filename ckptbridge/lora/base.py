@@ -71,7 +71,7 @@ def open_base(path: str) -> Base:
     cfg = spec.parse_config(hf_config, config_path)
     prefix = cfg.default_key_prefix
     if any(n.endswith(".safetensors") for n in os.listdir(path)):
-        with open_hf_source(path, skip_multimodal=True) as source:
+        with open_hf_source(path, skip_multimodal=True, quantized_ok=True) as source:
             prefix = source.prefix
     elif os.path.isfile(os.path.join(path, INDEX_NAME)):  # config and index only (a Hub base whose weights stay there)
         prefix = find_prefix(spec, list(read_index(os.path.join(path, INDEX_NAME)))) or prefix
