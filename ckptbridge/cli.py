@@ -1,7 +1,7 @@
 """The ``ckptbridge`` command line.
 
     ckptbridge convert safetensors-to-orbax SRC DST
-    ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB]
+    ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB] [--quantize int8|fp8]
     ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
     ckptbridge merge BASE ADAPTER DST [--quantize int8|fp8]
@@ -115,7 +115,7 @@ def cmd_o2s(args) -> int:
     _emit(args, convert_orbax_to_safetensors(args.src, args.dst, config=args.config,
                                              max_shard_size=_size(args, "max_shard_size"), step=args.step,
                                              overwrite=args.overwrite, chunk_size=_size(args, "chunk_size"),
-                                             **_parallel(args), progress=_progress(args)))
+                                             **_parallel(args), progress=_progress(args), quantize=args.quantize))
     return 0
 
 
@@ -324,6 +324,7 @@ def add_o2s(csub) -> None:
     _step_option(sp)
     _chunk_size_option(sp, "a tensor larger than this is read, rearranged and written in blocks of about this size "
                            "(whole stored chunks: a checkpoint stored in larger chunks is read a chunk at a time)")
+    _quantize_option(sp)
     _parallel_options(sp, "read, decode and rearrange leaves and blocks ahead of the writer")
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_o2s)

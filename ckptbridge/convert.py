@@ -15,13 +15,14 @@ import time
 
 import numpy as np
 
-from ckptbridge import deps, hub, mapping, options, specs
+from ckptbridge import deps, hub, lora, mapping, options, specs
+from ckptbridge import quantize as quantization
 from ckptbridge.errors import ConfigError
 from ckptbridge.io import DEFAULT_CHUNK_SIZE, storage
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import copy_assets, write_model_directory
-from ckptbridge.io.safetensors import PlannedTensor
+from ckptbridge.io.safetensors import PlannedTensor, dtype_code
 from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.progress import Progress
@@ -82,12 +83,17 @@ class SafetensorsToOrbaxReport(ConversionReport):
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxToSafetensorsReport(ConversionReport):
+    OMIT_NONE = ("quantized", "quantized_tensors")
+
     files: list[str]
     config_mismatch: str | None
     seconds: float
+    quantized: str | None = None  # the scheme the decoder's projections were quantized to
+    quantized_tensors: int | None = None
 
     def summary(self) -> str:
-        return self._head(self.seconds) + f"\n  files: {', '.join(self.files)}"
+        q = f"\n  {self.quantized_tensors} weights quantized to {self.quantized}" if self.quantized else ""
+        return self._head(self.seconds) + q + f"\n  files: {', '.join(self.files)}"
 
 
 def _per_block(blocks: mapping.Blocks, nbytes: int, chunk_bytes: int) -> int:
@@ -199,15 +205,17 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
                                  step: int | None = None, overwrite: bool = False,
                                  chunk_size: str | int = DEFAULT_CHUNK_SIZE, workers: int | None = None,
                                  memory_budget: str | int | None = None,
-                                 progress: bool | None = None) -> OrbaxToSafetensorsReport:
+                                 progress: bool | None = None, quantize: str | None = None) -> OrbaxToSafetensorsReport:
     """Orbax weights checkpoint -> HF model directory (sharded safetensors + index, config.json,
     and the non-weight files stored with the checkpoint or next to ``config``). A leaf larger
     than ``chunk_size`` is read, rearranged and written in boxes of about that size (whole
     stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor). Leaves
     and boxes are read, decoded and rearranged on ``workers`` threads (default: every usable core)
     ahead of the writer, holding at most ``memory_budget`` bytes of them (default 256 MiB); the
-    files written do not depend on either."""
+    files written do not depend on either. ``quantize`` (``"int8"`` or ``"fp8"``): the decoder's
+    linear projections are written quantized in the same pass, as ``ckptbridge quantize`` writes them."""
     t0 = time.perf_counter()
+    scheme = quantization.get_scheme(quantize, "quantize (--quantize)") if quantize is not None else None
     chunk_bytes = options.size("chunk_size", chunk_size)
     shard_bytes = options.size("max_shard_size", max_shard_size)
     parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)")
@@ -221,14 +229,30 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             e_jobs, counts = _o2s_jobs(source, e, chunk_bytes)
             jobs += e_jobs
             tensors += [(e, key, n) for key, n in counts.items()]
+        plan = None
+        if scheme is not None:
+            base = lora.make_base(src, source.cfg, source.spec, source.prefix)
+            plan = quantization.plan_model(base, {key: dtype_code(source.dtype(e)) for e, key, _ in tensors},
+                                           {key: e.hf_shape for e, key, _ in tensors}, scheme, src)
+            shapes = {key: e.hf_shape for e, key, _ in tensors}
+            jobs = [(cost, functools.partial(quantization.quantized_parts, make, plan, shapes)) for cost, make in jobs]
         parts: Parts = Parts(engine.stream(jobs))
-        planned = [PlannedTensor(key, source.dtype(e), e.hf_shape, functools.partial(parts.take, key)) if n == 1
-                   else PlannedTensor(key, source.dtype(e), e.hf_shape,
-                                      chunks=functools.partial(parts.take_many, key, n))
-                   for e, key, n in tensors]
+        planned = []
+        for e, key, n in tensors:
+            if plan is not None and key in plan.weights:
+                scales: list = []
+                planned += [PlannedTensor(key, plan.scheme.dtype, e.hf_shape, chunks=functools.partial(
+                                quantization.weight_rows, parts.take_many(key, n), scales)),
+                            PlannedTensor(plan.scale_key(key), source.dtype(e), (e.hf_shape[0], 1),
+                                          chunks=functools.partial(quantization.scale_rows, scales))]
+            elif n == 1:
+                planned.append(PlannedTensor(key, source.dtype(e), e.hf_shape, functools.partial(parts.take, key)))
+            else:
+                planned.append(PlannedTensor(key, source.dtype(e), e.hf_shape,
+                                             chunks=functools.partial(parts.take_many, key, n)))
         stored_assets = storage.join(source.ckpt.path, ASSETS_DIR)
         files = write_model_directory(
-            dst, planned, source.cfg.hf_config, shard_bytes,
+            dst, planned, plan.hf_config(source.cfg.hf_config) if plan else source.cfg.hf_config, shard_bytes,
             assets_from=stored_assets if storage.isdir(stored_assets) else source.config_dir,
             overwrite=overwrite, desc="orbax -> safetensors", progress=progress,
         )
@@ -236,4 +260,5 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
             direction="orbax-to-safetensors", source=src, destination=dst, family=source.spec.name,
             key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=len(planned),
             bytes=sum(t.nbytes for t in planned), files=files, config_mismatch=mismatch,
-            seconds=round(time.perf_counter() - t0, 3))
+            seconds=round(time.perf_counter() - t0, 3), quantized=plan.scheme.name if plan else None,
+            quantized_tensors=len(plan.weights) if plan else None)

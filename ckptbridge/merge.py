@@ -26,7 +26,16 @@ from ckptbridge.io.atomic import check_destination
 from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
-from ckptbridge.quantize import Plan, Scheme, already_quantized, get_scheme, plan_model, quantize_weight
+from ckptbridge.quantize import (
+    Plan,
+    Scheme,
+    already_quantized,
+    get_scheme,
+    plan_model,
+    quantize_weight,
+    scale_rows,
+    weight_rows,
+)
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.stream import Job, Parallelism, Stream
 
@@ -85,21 +94,9 @@ def _blocks_of(model: HFModelDir, key: str, block_bytes: int) -> int:
     return math.ceil(math.prod(model.info(key).shape[:-1]) / _rows_per_block(model, key, block_bytes))
 
 
-def _computed_rows(stream: Stream, count: int, scales: list | None = None) -> Iterator[np.ndarray]:
-    """The next ``count`` blocks of the stream; of quantized blocks the weight rows, their scales
-    kept in ``scales`` for the tensor written next."""
+def _computed_rows(stream: Stream, count: int) -> Iterator:
     for _ in range(count):
-        piece = next(stream)
-        if scales is not None:
-            piece, scale = piece
-            scales.append(scale)
-        yield piece
-
-
-def _scales(scales: list) -> Iterator[np.ndarray]:
-    out = np.concatenate(scales)
-    scales.clear()
-    yield out
+        yield next(stream)
 
 
 def _copied(model: HFModelDir, stream: Stream, key: str) -> Iterator:
@@ -118,10 +115,10 @@ def _planned(model: HFModelDir, deltas: dict, plan: Plan | None, engine, block_b
         count = _blocks_of(model, key, block_bytes) if key in quantized or key in deltas else 0
         if plan is not None and key in quantized:
             scales: list = []
-            planned.append(PlannedTensor(key, plan.scheme.dtype, info.shape,
-                                         chunks=functools.partial(_computed_rows, stream, count, scales)))
+            planned.append(PlannedTensor(key, plan.scheme.dtype, info.shape, chunks=functools.partial(
+                weight_rows, _computed_rows(stream, count), scales)))
             planned.append(PlannedTensor(Plan.scale_key(key), numpy_dtype(info.dtype), (info.shape[0], 1),
-                                         chunks=functools.partial(_scales, scales)))
+                                         chunks=functools.partial(scale_rows, scales)))
         elif key in deltas:
             planned.append(PlannedTensor(key, numpy_dtype(info.dtype), info.shape,
                                          chunks=functools.partial(_computed_rows, stream, count)))

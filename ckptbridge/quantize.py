@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable, Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -195,6 +196,29 @@ class Plan:
                 f"scale per output channel (compressed-tensors `{s.format}`, llm-compressor's `{s.preset}`: "
                 f"activations quantized per token at run time); embeddings, norms and the LM head keep the "
                 f"source dtype")
+
+
+def weight_rows(pieces: Iterable[tuple[np.ndarray, np.ndarray]], scales: list) -> Iterator[np.ndarray]:
+    """The quantized rows of ``(weight, weight_scale)`` row blocks, in order, their scales kept in
+    ``scales`` for :func:`scale_rows` (the scale tensor is written after its weight)."""
+    for q, scale in pieces:
+        scales.append(scale)
+        yield q
+
+
+def scale_rows(scales: list) -> Iterator[np.ndarray]:
+    out = np.concatenate(scales)
+    scales.clear()
+    yield out
+
+
+def quantized_parts(make: Callable[[], list[tuple[str, np.ndarray]]], plan: Plan,
+                    shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, object]]:
+    """``make()``'s named parts (whole HF tensors or blocks of their rows), those of the plan's
+    weights quantized to ``(weight, weight_scale)`` rows."""
+    weights = set(plan.weights)
+    return [(key, quantize_weight(np.ascontiguousarray(v).reshape(-1, shapes[key][-1]), plan.scheme, key)
+             if key in weights else v) for key, v in make()]
 
 
 def already_quantized(config: dict, dtypes: dict[str, str]) -> str | None:

@@ -206,3 +206,21 @@ def test_scheme_names_are_the_options_choices():
     assert tuple(SCHEMES) == QUANT_SCHEMES
     with pytest.raises(UnsupportedError, match=r"quantize \(--quantize\) 'int4': choose one of int8, fp8"):
         get_scheme("int4", "quantize (--quantize)")
+
+
+@pytest.mark.slow
+def test_orbax_to_safetensors_quantizes_in_the_same_pass(converted, tmp_path):
+    from ckptbridge.convert import convert_orbax_to_safetensors
+    from ckptbridge.merge import quantize_model
+
+    orbax, _ = converted["kv_lm_bf16_sharded"]
+    plain, one, two = (str(tmp_path / n) for n in ("plain", "one", "two"))
+    convert_orbax_to_safetensors(orbax, plain, progress=False)
+    for scheme in SCHEMES:
+        # in boxes of rows (chunk_size smaller than a projection) and whole leaves
+        report = convert_orbax_to_safetensors(orbax, f"{one}.{scheme}", quantize=scheme, chunk_size="4KiB",
+                                              memory_budget="64KiB", progress=False)
+        quantize_model(plain, f"{two}.{scheme}", scheme=scheme, progress=False)
+        a, b = _files(f"{one}.{scheme}"), _files(f"{two}.{scheme}")
+        assert a["model.safetensors"] == b["model.safetensors"] and a["config.json"] == b["config.json"]
+        assert report.quantized == scheme and report.quantized_tensors > 0

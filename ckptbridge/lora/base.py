@@ -75,6 +75,11 @@ def open_base(path: str) -> Base:
             prefix = source.prefix
     elif os.path.isfile(os.path.join(path, INDEX_NAME)):  # config and index only (a Hub base whose weights stay there)
         prefix = find_prefix(spec, list(read_index(os.path.join(path, INDEX_NAME)))) or prefix
+    return make_base(path, cfg, spec, prefix)
+
+
+def make_base(path: str, cfg: ModelConfig, spec: FamilySpec, prefix: str) -> Base:
+    """The base of a model already read: its config, family and the key prefix of its files."""
     module_prefix = spec.module_prefix(prefix)
     return Base(path, cfg, spec, prefix, lora_modules(cfg, spec, module_prefix), module_prefix)
 
