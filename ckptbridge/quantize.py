@@ -221,6 +221,20 @@ def quantized_parts(make: Callable[[], list[tuple[str, np.ndarray]]], plan: Plan
              if key in weights else v) for key, v in make()]
 
 
+def scheme_of(config: dict) -> Scheme | None:
+    """The scheme of this module a model's config.json says its weights are stored in
+    (compressed-tensors 8-bit int or float weights), None for any other (or none)."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
+        return None
+    groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
+    for scheme in SCHEMES.values():
+        if groups and all(g.get("format", q.get("format")) == scheme.format
+                          and (g.get("weights") or {}).get("num_bits") == 8 for g in groups):
+            return scheme
+    return None
+
+
 def already_quantized(config: dict, dtypes: dict[str, str]) -> str | None:
     """Why a model is quantized already (its config or a tensor says so), or None."""
     from ckptbridge.sources import describe_quantization

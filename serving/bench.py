@@ -296,6 +296,12 @@ def _row(p: dict) -> str:
 def table(result: dict) -> str:
     head = " ".join(name.rjust(w) for name, w in COLUMNS)
     lines = [head, "-" * len(head)] + [_row(p) for p in result["points"]]
+    if result.get("weights"):
+        from ckptbridge.report import human_bytes
+
+        w = result["weights"]
+        lines.append(f"weights: {human_bytes(w['bytes'])} ({', '.join(f'{k} {human_bytes(v)}' for k, v in w['dtypes'].items())}"
+                     f"; {w['quantization'] or 'not quantized'})")
     lines.append("(times in ms; TTFT time to first token, TPOT time per output token, ITL inter-token latency)")
     return "\n".join(lines)
 

@@ -96,6 +96,27 @@ def _length_and_dtype(args, profile, local_model: bool) -> tuple[int, str]:
     return length, dtype
 
 
+def _check_quantized(args, profile) -> None:
+    """A quantized model: one line on how vLLM takes it, or a ConfigError when the profile's
+    hardware cannot run its scheme."""
+    from ckptbridge.io.files import read_json_object
+    from ckptbridge.quantize import scheme_of
+    from ckptbridge.sources import describe_quantization
+
+    config = read_json_object(os.path.join(args.model, "config.json"), "")
+    what = describe_quantization(config)
+    if what is None:
+        return
+    scheme = scheme_of(config)
+    if scheme is not None and scheme.name not in profile.quant_schemes:
+        raise ConfigError(f"profile {profile.name} cannot run {scheme.name} ({scheme.preset}) weights: its hardware runs "
+                          f"{', '.join(profile.quant_schemes)}; quantize the unquantized model with `ckptbridge quantize "
+                          f"SRC DST --scheme {profile.quant_schemes[0]}`")
+    named = f"{scheme.name}, {scheme.preset}" if scheme else "not one of ckptbridge's schemes"
+    print(f"serving: quantized model ({what}; {named}): vLLM reads its quantization_config, no --quantization "
+          "needed", file=sys.stderr)
+
+
 def cmd_serve(args) -> int:
     from serving.profiles import PROFILES, build_command
     from serving.server import LocalServer, serve_forever
@@ -111,6 +132,8 @@ def cmd_serve(args) -> int:
         name, path = next(iter(adapters.items()))
         raise ConfigError(f"profile {profile.name} cannot serve LoRA adapters (vLLM's TPU model path has none); "
                           f"merge first: `ckptbridge merge {args.model} {path} MERGED_DIR`, then serve MERGED_DIR")
+    if local_model:
+        _check_quantized(args, profile)
     rank = _check_adapters(args, adapters, local_model, profile)
     max_model_len, dtype = _length_and_dtype(args, profile, local_model)
     cmd = build_command(profile, args.model, adapters=adapters, port=args.port, host=args.host,
@@ -138,11 +161,18 @@ def cmd_bench(args) -> int:
             train_cost = json.load(f).get("cost_usd")
     if train_cost is not None and not args.usd_per_hour:
         raise ConfigError("the TCO table needs the serving rate: add --usd-per-hour")
+    weights = None
+    if args.model_dir:  # read before the sweep: a wrong directory fails now, not after it
+        from serving.vllm_facts import weights_memory
+
+        weights = weights_memory(args.model_dir)
     result = bench.run_sweep(args.url.rstrip("/"), args.model, qps=bench.parse_qps(args.qps),
                              shapes=bench.parse_shapes(args.shapes), num_prompts=args.num_prompts, seed=args.seed,
                              timeout=args.timeout, max_concurrency=args.max_concurrency,
                              usd_per_hour=args.usd_per_hour, prompt_format=args.prompt_format,
                              progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    if weights is not None:
+        result["weights"] = weights
     hours = tuple(float(h) for h in args.tco_hours.split(","))
     if args.out:
         bench.write_outputs(result, args.out, train_cost=train_cost, hours=hours)
@@ -239,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Streaming load benchmark against an OpenAI-compatible vLLM endpoint.")
     b.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     b.add_argument("--model", required=True, help="served model (or adapter) name")
+    b.add_argument("--model-dir", metavar="DIR", help="the served model's directory: the table adds the memory its "
+                   "weights take, by dtype, and how they are quantized")
     b.add_argument("--qps", default="1,2,4,8,16,32,64", help="request rates, comma-separated (inf: all at once)")
     b.add_argument("--shapes", default="512x256,1024x512,4096x512,8192x512,16000x512",
                    help="INPUTxOUTPUT token lengths, comma-separated")

