@@ -8,6 +8,7 @@
     ckptbridge quantize SRC DST --scheme int8|fp8
     ckptbridge inspect PATH [--json]
     ckptbridge verify logits HF_DIR [--tunix SRC]
+    ckptbridge verify quantized QUANTIZED --source SRC [--tolerance X]
     ckptbridge verify tensors A B
     ckptbridge verify adapter ADAPTER --base BASE [--target hf|vllm] [--prompt TEXT | --ids 1,2,3] [--lint-only]
     ckptbridge verify served --url URL --model NAME --base BASE [--adapter DIR] [--ids ...] [--tokens N]
@@ -168,6 +169,14 @@ def cmd_verify_logits(args) -> int:
 
     report = logits_parity(args.hf_dir, args.tunix, seq_len=args.seq_len, tolerance=args.tolerance,
                            allow_config_mismatch=args.allow_config_mismatch, revision=args.revision)
+    _emit(args, report)
+    return 0 if report.ok else 6
+
+
+def cmd_verify_quantized(args) -> int:
+    from ckptbridge.verify import quantized_cost
+
+    report = quantized_cost(args.quantized, args.source, seq_len=args.seq_len, tolerance=args.tolerance)
     _emit(args, report)
     return 0 if report.ok else 6
 
@@ -439,6 +448,23 @@ def add_verify_logits(vsub) -> None:
     sp.set_defaults(extra="verify", func=cmd_verify_logits)
 
 
+def add_verify_quantized(vsub) -> None:
+    sp = vsub.add_parser("quantized", help="what quantization cost: logits of a quantized model vs its source",
+                         epilog=EPILOG,
+                         description="Compute the logits of the unquantized SOURCE and of the same model with the "
+                         "quantized weights of QUANTIZED (weight x scale) and its activations rounded per token as the "
+                         "scheme does when served, in float32 with transformers, on the same random tokens; report "
+                         "relative L2 and argmax agreement.")
+    sp.add_argument("quantized", metavar="QUANTIZED",
+                    help="quantized model directory (int8 or fp8, compressed-tensors)")
+    sp.add_argument("--source", required=True, help="the unquantized HF model directory it was made from")
+    sp.add_argument("--seq-len", type=int, help="tokens per sequence (default 2 x window + 3)")
+    sp.add_argument("--tolerance", type=float, help="fail (exit 6) above this relative L2 of the logits (default: "
+                    "report only)")
+    _json_option(sp)
+    sp.set_defaults(extra="verify", func=cmd_verify_quantized)
+
+
 def add_verify_tensors(vsub) -> None:
     sp = vsub.add_parser("tensors", help="bitwise comparison of two HF model directories", epilog=EPILOG)
     sp.add_argument("a", metavar="A", help="HF model directory or Hub id")
@@ -520,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect(sub)
     ver = sub.add_parser("verify", help="check a conversion", description="Check a conversion.", epilog=EPILOG)
     vsub = ver.add_subparsers(dest="check", metavar="CHECK", required=True)
-    for add_check in (add_verify_logits, add_verify_tensors, add_verify_adapter, add_verify_served):
+    for add_check in (add_verify_logits, add_verify_quantized, add_verify_tensors, add_verify_adapter,
+                      add_verify_served):
         add_check(vsub)
     add_env(sub)
     verbs = {}

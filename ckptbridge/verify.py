@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from ckptbridge.config import read_config_file
-from ckptbridge.errors import ConfigError, MismatchError
+from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io.hf import HFModelDir
 from ckptbridge.lora import ADAPTER_CONFIG, open_base
 from ckptbridge.options import LOGITS_TOLERANCE, SERVED_TOKENS
@@ -219,6 +219,104 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
                         rel_l2=rel, max_abs_diff=float(np.max(np.abs(ours - ref))), argmax_agreement=agreement,
                         config_mismatch=get_family(cfg.family).config_mismatches(cfg),
                         ok=rel <= tolerance and agreement == 1.0, tolerance=tolerance)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedReport(Report):
+    """What quantization cost: a quantized model's logits against its unquantized source."""
+
+    quantized: str
+    source: str
+    scheme: str
+    quantized_tensors: int
+    tokens: list[int]  # batch, sequence length
+    weight_rel_l2: float  # the stored weights (weight x scale) against the source's, all quantized tensors
+    rel_l2_weights_only: float  # logits with the stored weights, activations unrounded
+    rel_l2: float  # logits as served: stored weights, activations rounded per token as the scheme does
+    max_abs_diff: float
+    argmax_agreement: float
+    ok: bool  # rel_l2 within tolerance (always, when no tolerance is given)
+    tolerance: float | None = internal()
+
+    def summary(self) -> str:
+        verdict = "" if self.tolerance is None else f" -> {'OK' if self.ok else 'FAIL'} (tolerance {self.tolerance:g})"
+        return (f"verify quantized: {self.quantized} ({self.scheme}, {self.quantized_tensors} weights) vs "
+                f"{self.source}, tokens {self.tokens[0]}x{self.tokens[1]}, float32:\n"
+                f"  weights: relative L2 {self.weight_rel_l2:.3e}\n"
+                f"  logits: relative L2 {self.rel_l2:.3e} (weights alone {self.rel_l2_weights_only:.3e}), max |diff| "
+                f"{self.max_abs_diff:.3e}, argmax agreement {self.argmax_agreement:.4f}{verdict}")
+
+
+def _round_per_token(x, scheme):
+    """Activations quantized and dequantized per token (the last axis), as the scheme does at run time."""
+    import torch
+
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / scheme.divisor, torch.ones_like(amax))
+    y = (x / scale).clamp(scheme.q_min, scheme.q_max)
+    y = torch.round(y) if scheme.ct_type == "int" else y.to(torch.float8_e4m3fn).to(x.dtype)
+    return y * scale
+
+
+def quantized_cost(quantized: str, source: str, *, seq_len: int | None = None, batch: int = 2, seed: int = 0,
+                   tolerance: float | None = None) -> QuantizedReport:
+    """The logits of the quantized model ``quantized`` (compressed-tensors int8 or fp8, as ``ckptbridge
+    quantize`` or llm-compressor write it) against its unquantized ``source`` on the same random tokens,
+    in float32 with transformers: the source model with its quantized weights replaced by the stored
+    ``weight x weight_scale`` and, for the served figure, the inputs of those layers rounded per token
+    as the scheme quantizes activations at run time."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ckptbridge.quantize import SCALE_SUFFIX, scheme_of
+
+    hf_logging.disable_progress_bar()
+    with HFModelDir(quantized) as q:
+        scheme = scheme_of(q.config)
+        if scheme is None:
+            raise UnsupportedError(f"{quantized}: not a model quantized to int8 or fp8 (compressed-tensors "
+                                   "quantization_config); give the output of `ckptbridge quantize`")
+        stored = {}
+        for key in q.keys():
+            if key.endswith("." + SCALE_SUFFIX):
+                weight = key[: -len(SCALE_SUFFIX)] + "weight"
+                stored[weight] = q.array(weight).astype(np.float32) * q.array(key).astype(np.float32)
+    config_path = os.path.join(source, "config.json")
+    cfg = parse_config(read_config_file(config_path), config_path)
+    if seq_len is None:
+        seq_len = 2 * (cfg.sliding_window or 8) + 3
+    tokens = torch.as_tensor(np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, seq_len)))
+    model = hf_model_class(source).from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
+    params = dict(model.named_parameters())
+    missing = [k for k in stored if k not in params]
+    if missing:
+        raise MismatchError(f"{quantized}: quantized weight {missing[0]} is not a parameter of the source model "
+                            f"{source}; give the model it was quantized from")
+    with torch.no_grad():
+        ref = model(input_ids=tokens).logits.float().numpy()
+        diff = norm = 0.0
+        for key, value in stored.items():
+            p = params[key]
+            if tuple(p.shape) != value.shape:
+                raise MismatchError(f"{quantized}: {key} has shape {list(value.shape)}, the source's "
+                                    f"{list(p.shape)}; give the model it was quantized from")
+            diff += float(np.sum((value - p.numpy()) ** 2))
+            norm += float(np.sum(p.numpy() ** 2))
+            p.copy_(torch.from_numpy(value))
+        weights_only = model(input_ids=tokens).logits.float().numpy()
+        modules = dict(model.named_modules())
+        hooks = [modules[key[: -len(".weight")]].register_forward_pre_hook(
+            lambda _, args: (_round_per_token(args[0], scheme), *args[1:])) for key in stored]
+        served = model(input_ids=tokens).logits.float().numpy()
+        for h in hooks:
+            h.remove()
+    rel = rel_l2(served, ref)
+    return QuantizedReport(
+        quantized=quantized, source=source, scheme=scheme.name, quantized_tensors=len(stored),
+        tokens=[batch, seq_len], weight_rel_l2=float(np.sqrt(diff / norm)) if norm else 0.0,
+        rel_l2_weights_only=rel_l2(weights_only, ref), rel_l2=rel, max_abs_diff=float(np.max(np.abs(served - ref))),
+        argmax_agreement=float(np.mean(served.argmax(-1) == ref.argmax(-1))),
+        ok=tolerance is None or rel <= tolerance, tolerance=tolerance)
 
 
 # --------------------------------------------------------------------------- adapters and token ids

@@ -56,6 +56,8 @@ NORMALISED_KEYS = {
     "max_abs_diff",  # verify logits
     "rel_change",  # verify adapter (live): how much the adapter moves the logits
     "svd_relative_error",  # peft-to-orbax --kv svd: {module: error}; the module names stay exact
+    "weight_rel_l2", "rel_l2_weights_only",  # verify quantized: stored weights vs the source's, and their logits
+    "argmax_agreement",  # verify quantized: of logits that differ by design (a tie can go either way)
 }
 # Absolute paths: every string that contains the tmp root gets TMP instead of it (not by key:
 # paths occur under many keys and nested in metadata).
@@ -162,6 +164,7 @@ CASES = [
     ("inspect_peft-adapter_peft", 0, "inspect {peft}"),
     ("inspect_peft-adapter_ckptbridge", 0, "inspect {out}/o2p-vllm"),
     ("verify_logits", 0, "verify logits {base} --tunix {out}/orbax"),
+    ("verify_quantized", 0, "verify quantized {out}/q8 --source {base}"),
     ("verify_tensors_identical", 0, "verify tensors {base} {out}/back"),
     ("verify_tensors_different", 6, "verify tensors {base} {out}/merged-peft"),
     ("verify_adapter_peft", 0, "verify adapter {peft} --base {base}"),

@@ -267,3 +267,28 @@ def test_serving_takes_quantized_models_where_the_hardware_runs_them(checkpoints
     assert after["bytes"] < before["bytes"]
     assert "weights: " in table({"points": [], "weights": after}) and "int8 (W8A8" in table({"points": [],
                                                                                                 "weights": after})
+
+
+@pytest.mark.slow
+def test_verify_quantized_reports_what_each_scheme_cost(checkpoints, tmp_path):
+    from conftest import run_cli
+
+    from ckptbridge.merge import quantize_model
+    from ckptbridge.verify import quantized_cost
+
+    src = checkpoints["qwen3_untied_bf16_sharded"]
+    reports = {}
+    for scheme in SCHEMES:
+        dst = quantize_model(src, str(tmp_path / scheme), scheme=scheme, progress=False).destination
+        reports[scheme] = quantized_cost(dst, src)
+    int8, fp8 = reports["int8"], reports["fp8"]
+    # per-channel int8 keeps about 7 bits of each weight, e4m3 about 4: the weights' error and the logits' follow
+    assert 0 < int8.weight_rel_l2 < 0.01 < fp8.weight_rel_l2 < 0.05
+    assert 0 < int8.rel_l2_weights_only < fp8.rel_l2_weights_only
+    assert int8.rel_l2 > 0 and fp8.rel_l2 > int8.rel_l2 and int8.ok and fp8.ok
+    assert int8.quantized_tensors == fp8.quantized_tensors > 0
+    proc = run_cli("verify", "quantized", str(tmp_path / "fp8"), "--source", src, "--tolerance", "1e-6", "--json")
+    assert proc.returncode == 6 and json.loads(proc.stdout)["ok"] is False, proc.stderr
+    proc = run_cli("verify", "quantized", src, "--source", src)
+    assert proc.returncode == 5 and "not a model quantized to int8 or fp8" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
