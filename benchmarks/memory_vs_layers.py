@@ -8,10 +8,12 @@ checkpoint grows 4x. ``--model``: the dense Gemma 4 (default), or an expert-heav
 MoE (16 experts per layer, one HF key each, stacked into one Tunix tensor per projection) or
 Gemma 4 MoE (one HF tensor per layer's experts), whose layers are mostly experts. With
 ``--vocab V1 V2`` the models differ in their embedding instead (the largest tensor), so that
-with a small ``--chunk-size`` the peak shows whether conversions hold a tensor whole.
+with a small ``--chunk-size`` the peak shows whether conversions hold a tensor whole. With
+``--quantize int8|fp8`` the merge is also run quantizing in the same pass (dense models).
 
     .venv/bin/python benchmarks/memory_vs_layers.py [--model gemma4|qwen3_moe|gemma4_moe] [--layers 4 16]
-        [--vocab V1 V2] [--chunk-size SIZE] [--memory-budget SIZE] [--width 1024] [--out FILE] [--max-growth 0.6]
+        [--vocab V1 V2] [--chunk-size SIZE] [--memory-budget SIZE] [--width 1024] [--quantize int8|fp8]
+        [--out FILE] [--max-growth 0.6]
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main() -> None:
                     "embedding, the largest tensor, grows (default vocabulary: 8 D)")
     ap.add_argument("--chunk-size", help="--chunk-size of both conversions (default: ckptbridge's)")
     ap.add_argument("--memory-budget", help="--memory-budget of every verb (default: ckptbridge's)")
+    ap.add_argument("--quantize", choices=("int8", "fp8"),
+                    help="also measure merge --quantize SCHEME (a dense model: MoE experts are not quantized)")
     ap.add_argument("--out", help="write results JSON here")
     ap.add_argument("--max-growth", type=float,
                     help="exit 1 when a peak RSS grows by more than this many MB per MB of checkpoint between the "
@@ -110,7 +114,13 @@ def main() -> None:
             o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"), convert)
             adapter = write_random_adapter(hf, os.path.join(tmp, f"adapter{n}"), r=16)
             merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), json.dumps({**budget, "adapter": adapter}))
-            rows.append({"layers": n, "vocab": vocab, "embedding_mb": vocab * d * 2 / 2**20,
+            extra = {}
+            if args.quantize:
+                mq = measure("merge", hf, os.path.join(tmp, f"mergedq{n}"),
+                             json.dumps({**budget, "adapter": adapter, "quantize": args.quantize}))
+                extra = {"mergeq_s": mq["seconds"], "mergeq_peak_rss_mb": mq["peak_rss_mb"]}
+                shutil.rmtree(os.path.join(tmp, f"mergedq{n}"))
+            rows.append({**extra, "layers": n, "vocab": vocab, "embedding_mb": vocab * d * 2 / 2**20,
                          "checkpoint_mb": size / 2**20, "cp_s": cp_s,
                          "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
                          "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"],
@@ -132,16 +142,18 @@ def main() -> None:
               f"{r['s2o_peak_rss_mb']:>12.0f} {r['o2s_s']:>6.2f} {r['o2s_peak_rss_mb']:>12.0f} "
               f"{r['merge_s']:>8.2f} {r['merge_peak_rss_mb']:>14.0f}")
     first, last = rows[0], rows[-1]
-    keys = ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb", "merge_peak_rss_mb")
+    keys = ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb", "merge_peak_rss_mb") + \
+        (("mergeq_peak_rss_mb",) if args.quantize else ())
     ratio = {k: last[k] / first[k] for k in keys}
     what = (f"embedding {last['vocab']} vs {first['vocab']} rows" if args.vocab
             else f"{last['layers']} vs {first['layers']} layers")
     print(f"ratio {what}: checkpoint {ratio['checkpoint_mb']:.2f}x, "
           f"s2o peak RSS {ratio['s2o_peak_rss_mb']:.2f}x, o2s peak RSS {ratio['o2s_peak_rss_mb']:.2f}x, "
-          f"merge peak RSS {ratio['merge_peak_rss_mb']:.2f}x")
+          f"merge peak RSS {ratio['merge_peak_rss_mb']:.2f}x"
+          + (f", merge --quantize {args.quantize} peak RSS {ratio['mergeq_peak_rss_mb']:.2f}x" if args.quantize else ""))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "width": d, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
+            json.dump({"model": args.model, "width": d, "quantize": args.quantize, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
     growth = {k: (last[k] - first[k]) / (last["checkpoint_mb"] - first["checkpoint_mb"]) for k in keys[1:]}
     print("peak RSS growth per MB of checkpoint: " + ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in growth.items()))
     if args.max_growth is not None:
