@@ -83,7 +83,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
-        print(f"peak RSS k={last['layers']} vs k={first['layers']} (base {last['base_bytes'] / first['base_bytes']:.2f}x): "
+        grew = last["base_bytes"] / first["base_bytes"]
+        print(f"peak RSS k={last['layers']} vs k={first['layers']} (base {grew:.2f}x): "
               + ", ".join(f"{c} {last['medians'][c]['peak_rss_mb'] / first['medians'][c]['peak_rss_mb']:.2f}x"
                           for c in CONTENDERS))
     if args.out:

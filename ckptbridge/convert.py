@@ -232,19 +232,15 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
         plan = None
         if scheme is not None:
             base = lora.make_base(src, source.cfg, source.spec, source.prefix)
-            plan = quantization.plan_model(base, {key: dtype_code(source.dtype(e)) for e, key, _ in tensors},
-                                           {key: e.hf_shape for e, key, _ in tensors}, scheme, src)
             shapes = {key: e.hf_shape for e, key, _ in tensors}
+            plan = quantization.plan_model(base, {key: dtype_code(source.dtype(e)) for e, key, _ in tensors},
+                                           shapes, scheme, src)
             jobs = [(cost, functools.partial(quantization.quantized_parts, make, plan, shapes)) for cost, make in jobs]
         parts: Parts = Parts(engine.stream(jobs))
         planned = []
         for e, key, n in tensors:
             if plan is not None and key in plan.weights:
-                scales: list = []
-                planned += [PlannedTensor(key, plan.scheme.dtype, e.hf_shape, chunks=functools.partial(
-                                quantization.weight_rows, parts.take_many(key, n), scales)),
-                            PlannedTensor(plan.scale_key(key), source.dtype(e), (e.hf_shape[0], 1),
-                                          chunks=functools.partial(quantization.scale_rows, scales))]
+                planned += plan.tensors(key, e.hf_shape, source.dtype(e), functools.partial(parts.take_many, key, n))
             elif n == 1:
                 planned.append(PlannedTensor(key, source.dtype(e), e.hf_shape, functools.partial(parts.take, key)))
             else:

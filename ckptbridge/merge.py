@@ -26,16 +26,7 @@ from ckptbridge.io.atomic import check_destination
 from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, numpy_dtype
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
-from ckptbridge.quantize import (
-    Plan,
-    Scheme,
-    already_quantized,
-    get_scheme,
-    plan_model,
-    quantize_weight,
-    scale_rows,
-    weight_rows,
-)
+from ckptbridge.quantize import Plan, Scheme, already_quantized, get_scheme, plan_model, quantize_weight
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.stream import Job, Parallelism, Stream
 
@@ -114,11 +105,8 @@ def _planned(model: HFModelDir, deltas: dict, plan: Plan | None, engine, block_b
         info = model.info(key)
         count = _blocks_of(model, key, block_bytes) if key in quantized or key in deltas else 0
         if plan is not None and key in quantized:
-            scales: list = []
-            planned.append(PlannedTensor(key, plan.scheme.dtype, info.shape, chunks=functools.partial(
-                weight_rows, _computed_rows(stream, count), scales)))
-            planned.append(PlannedTensor(Plan.scale_key(key), numpy_dtype(info.dtype), (info.shape[0], 1),
-                                         chunks=functools.partial(scale_rows, scales)))
+            planned += plan.tensors(key, info.shape, numpy_dtype(info.dtype),
+                                    functools.partial(_computed_rows, stream, count))
         elif key in deltas:
             planned.append(PlannedTensor(key, numpy_dtype(info.dtype), info.shape,
                                          chunks=functools.partial(_computed_rows, stream, count)))
@@ -226,19 +214,19 @@ def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, al
     adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
     check_destination(dst, [base, adapter], overwrite)
     b = _open_base(base, "merge")
-    with HFModelDir(base) as model, \
-            parallel.engine("merge") as engine, \
-            lora.open_adapter(adapter, b, step=step, alpha=alpha, engine=engine) as ad, \
-            threadpool_limits(1, user_api="blas"):  # one BLAS thread per worker: 1.5x faster than 2 x 2 here
-        return _merge(model, b, ad, adapter, engine, dst, scheme=scheme, step=step, base_id=base_id,
-                      shard_bytes=shard_bytes, overwrite=overwrite, progress=progress, t0=t0)
+    with HFModelDir(base) as model:
+        plan = quantization_plan(b, model, scheme, base) if scheme is not None else None  # refusals first
+        with parallel.engine("merge") as engine, \
+                lora.open_adapter(adapter, b, step=step, alpha=alpha, engine=engine) as ad, \
+                threadpool_limits(1, user_api="blas"):  # one BLAS thread per worker: 1.5x faster than 2 x 2 here
+            return _merge(model, b, ad, adapter, engine, dst, plan=plan, step=step, base_id=base_id,
+                          shard_bytes=shard_bytes, overwrite=overwrite, progress=progress, t0=t0)
 
 
-def _merge(model: HFModelDir, b: lora.Base, ad, adapter: str, engine, dst: str, *, scheme: Scheme | None,
+def _merge(model: HFModelDir, b: lora.Base, ad, adapter: str, engine, dst: str, *, plan: Plan | None,
            step: int | None, base_id: str | None, shard_bytes: int, overwrite: bool, progress: bool | None,
            t0: float) -> MergeReport:
     base = model.path
-    plan = quantization_plan(b, model, scheme, base) if scheme is not None else None
     deltas: dict[str, list[tuple[int, float, np.ndarray, np.ndarray]]] = {}
     for key, row, scale, (a, b_) in lora.hf_deltas(ad):
         if key not in model:

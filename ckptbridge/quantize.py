@@ -98,12 +98,12 @@ def _round_to_bfloat16(f: np.ndarray) -> None:
 def quantize_weight(w: np.ndarray, scheme: Scheme, where: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """``(weight, weight_scale)`` of the 2-D weight ``w`` (out x in) under ``scheme``.
 
-    Runs a few rows at a time through one float32 buffer the size of a cache; about 1.5 ns a value
-    for int8 and 3.5 for fp8 on one x86 core."""
+    Runs a few rows at a time through one float32 buffer the size of a cache; about 1.6 ns a value
+    for int8 and 2.3 for fp8 on one x86 core (docs/benchmarks.md)."""
     src = np.dtype(w.dtype)
     if src not in SOURCE_DTYPES:
         raise UnsupportedError(f"{where}: dtype {src} cannot be quantized to {scheme.name}; the source must be "
-                               "bfloat16, float16 or float32")
+                               "bfloat16, float16 or float32: store it as bfloat16 first")
     if w.ndim != 2:
         raise UnsupportedError(f"{where}: shape {w.shape} is not a matrix (out x in)")
     out_dim, in_dim = w.shape
@@ -119,6 +119,10 @@ def quantize_weight(w: np.ndarray, scheme: Scheme, where: str = "weight") -> tup
         np.copyto(f, w[r0:r1], casting="unsafe")  # exact for every source dtype
         amax = np.maximum(f.max(axis=1, keepdims=True), 0)
         np.maximum(amax, -f.min(axis=1, keepdims=True), out=amax)
+        if not np.isfinite(amax).all():
+            row = r0 + int(np.argmin(np.isfinite(amax[:, 0])))
+            raise UnsupportedError(f"{where}: row {row} holds NaN or infinite values, which no scale can represent; "
+                                   "fix the weights before quantizing")
         s = (amax / np.float32(scheme.divisor)).astype(src)
         s[s == 0] = eps
         scale[r0:r1] = s
@@ -186,6 +190,16 @@ class Plan:
             "sparsity_config": {}, "transform_config": {}, "version": COMPRESSED_TENSORS_VERSION,
         }
 
+    def tensors(self, key: str, shape: tuple[int, ...], dtype: np.dtype, pieces: Callable[[], Iterable]) -> list:
+        """The two PlannedTensors that store weight ``key`` (source ``dtype``, ``shape``): the weight,
+        then its scale. ``pieces()`` gives its ``(weight, weight_scale)`` row blocks in order; the
+        scales are kept until the scale tensor is written."""
+        from ckptbridge.io.safetensors import PlannedTensor
+
+        scales: list = []
+        return [PlannedTensor(key, self.scheme.dtype, shape, chunks=lambda: weight_rows(pieces(), scales)),
+                PlannedTensor(self.scale_key(key), dtype, (shape[0], 1), chunks=functools.partial(scale_rows, scales))]
+
     def hf_config(self, config: dict) -> dict:
         return {**config, "quantization_config": self.config()}
 
@@ -221,10 +235,28 @@ def quantized_parts(make: Callable[[], list[tuple[str, np.ndarray]]], plan: Plan
              if key in weights else v) for key, v in make()]
 
 
+def quantization_config(config: dict):
+    """The ``quantization_config`` of a config.json (top level, or a multimodal model's text config)."""
+    text = config.get("text_config")
+    return config.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
+
+
+def describe(config: dict) -> str | None:
+    """A line on how the model of ``config`` is quantized (its ``quantization_config``), or None."""
+    q = quantization_config(config)
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        return "quantization_config present"
+    fmt = q.get("format") or next((g.get("format") for g in (q.get("config_groups") or {}).values()
+                                   if isinstance(g, dict)), None)
+    return ", ".join(str(x) for x in (q.get("quant_method", "unknown method"), fmt) if x)
+
+
 def scheme_of(config: dict) -> Scheme | None:
     """The scheme of this module a model's config.json says its weights are stored in
     (compressed-tensors 8-bit int or float weights), None for any other (or none)."""
-    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    q = quantization_config(config)
     if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
         return None
     groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
@@ -237,9 +269,7 @@ def scheme_of(config: dict) -> Scheme | None:
 
 def already_quantized(config: dict, dtypes: dict[str, str]) -> str | None:
     """Why a model is quantized already (its config or a tensor says so), or None."""
-    from ckptbridge.sources import describe_quantization
-
-    q = describe_quantization(config)
+    q = describe(config)
     if q:
         return f"its config.json has a quantization_config: {q}"
     for key, code in dtypes.items():
@@ -269,10 +299,11 @@ def plan_model(base, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]],
         raise UnsupportedError(f"{where}: no linear projection of the decoder layers found to quantize")
     for key in weights:
         if len(shapes[key]) != 2:
-            raise UnsupportedError(f"{where}: {key} has shape {list(shapes[key])}, not a matrix (out x in)")
+            raise UnsupportedError(f"{where}: {key} has shape {list(shapes[key])}, not a matrix (out x in); "
+                                   "the weights and config.json disagree")
         if DTYPES.get(dtypes[key]) not in SOURCE_DTYPES:
             raise UnsupportedError(f"{where}: {key} is {dtypes[key]}; {scheme.name} quantizes BF16, F16 or F32 "
-                                   "weights")
+                                   "weights: store the model as bfloat16 first")
     vocab = set(spec.vocab_axes)
     tables = {k for e in mapping.entries(cfg, spec, base.prefix) if vocab & set(layout.axes(e.rule.hf_layout))
               for k in e.hf_keys}

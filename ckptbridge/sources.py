@@ -62,7 +62,7 @@ class HFSource:
     entries: list[mapping.Entry]
     tower_keys: list[str]
     tied_keys: list[str]
-    quantization: str | None = None  # a quantized model's format (compressed-tensors), see quantize.describe_config
+    quantization: str | None = None  # a quantized model's format (compressed-tensors), see quantize.describe
 
     def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
         return [self.model.array(k) for k in entry.hf_keys]
@@ -108,24 +108,15 @@ def open_hf_source(src: str, *, skip_multimodal: bool = False, quantized_ok: boo
     """Open and fully validate an HF model directory (keys, shapes, dtypes) without reading weights.
     A quantized model (compressed-tensors: its weights' scales beside them) is refused unless
     ``quantized_ok`` (for what needs its names and shapes only)."""
+    from ckptbridge import quantize  # (imports ml_dtypes: only when opening a model)
+
     with close_on_error(HFModelDir(src)) as model:
-        source = _validate_hf(model, skip_multimodal)
-        if source.quantization and not quantized_ok:
-            raise UnsupportedError(f"{src}: a quantized model ({source.quantization}); ckptbridge converts "
-                                   "unquantized checkpoints: use the model it was quantized from")
-        return source
-
-
-def describe_quantization(config: dict) -> str | None:
-    """A line on how the model of ``config`` is quantized (its ``quantization_config``), or None."""
-    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if not q:
-        return None
-    if not isinstance(q, dict):
-        return "quantization_config present"
-    fmt = q.get("format") or next((g.get("format") for g in (q.get("config_groups") or {}).values()
-                                   if isinstance(g, dict)), None)
-    return ", ".join(str(x) for x in (q.get("quant_method", "unknown method"), fmt) if x)
+        if not quantized_ok:  # before validating: other formats store tensors the family table does not name
+            why = quantize.already_quantized(model.config, {k: model.info(k).dtype for k in model.keys()})
+            if why:
+                raise UnsupportedError(f"{src}: a quantized model ({why}); ckptbridge converts unquantized "
+                                       "checkpoints: use the model it was quantized from")
+        return _validate_hf(model, skip_multimodal)
 
 
 def find_prefix(spec: FamilySpec, keys) -> str | None:
@@ -167,7 +158,9 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
             f"{model.file_of(tied[0]).path}: {tied[0]} is untied from the embedding "
             f"(tie_word_embeddings false); Tunix's {spec.name} ties the output head to the embedding"
         )
-    quantization = describe_quantization(model.config)
+    from ckptbridge.quantize import describe
+
+    quantization = describe(model.config)
     scales = {k for k in text_keys if k.endswith(".weight_scale") and k[: -len("_scale")] in expected} \
         if quantization else set()
     unknown = sorted(text_keys - set(expected) - set(tied) - absent - scales)

@@ -205,16 +205,14 @@ def logits_parity(hf_dir: str, tunix_src: str | None = None, *, seq_len: int | N
     cfg = parse_config(read_config_file(config_path), config_path)
     model, _ = load_tunix_model(tunix_src or hf_dir, param_dtype=np.float32, dtype=np.float32, skip_multimodal=True,
                                 allow_config_mismatch=allow_config_mismatch)
-    if seq_len is None:
-        seq_len = 2 * (cfg.sliding_window or 8) + 3
-    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, seq_len))
+    tokens = _random_tokens(cfg, seq_len, batch, seed)
     ours = tunix_logits(model, tokens)
     ref = hf_logits(hf_dir, tokens)
     if ours.shape != ref.shape:
         raise MismatchError(f"logits shapes differ: Tunix {ours.shape}, transformers {ref.shape}")
     rel = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
     agreement = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
-    return LogitsReport(hf=hf_dir, tunix=tunix_src or hf_dir, tokens=[batch, seq_len],
+    return LogitsReport(hf=hf_dir, tunix=tunix_src or hf_dir, tokens=list(tokens.shape),
                         sliding_window=cfg.sliding_window,
                         rel_l2=rel, max_abs_diff=float(np.max(np.abs(ours - ref))), argmax_agreement=agreement,
                         config_mismatch=get_family(cfg.family).config_mismatches(cfg),
@@ -248,14 +246,22 @@ class QuantizedReport(Report):
 
 
 def _round_per_token(x, scheme):
-    """Activations quantized and dequantized per token (the last axis), as the scheme does at run time."""
+    """Activations quantized and dequantized per token (the last axis), as vLLM does at run time:
+    scale = the token's largest magnitude / the largest quantized value (127, or 448 for e4m3)."""
     import torch
 
     amax = x.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / scheme.divisor, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / scheme.q_max, torch.ones_like(amax))
     y = (x / scale).clamp(scheme.q_min, scheme.q_max)
     y = torch.round(y) if scheme.ct_type == "int" else y.to(torch.float8_e4m3fn).to(x.dtype)
     return y * scale
+
+
+def _random_tokens(cfg, seq_len: int | None, batch: int, seed: int) -> np.ndarray:
+    """``batch`` x ``seq_len`` random ids of the model's vocabulary; default length: past its window."""
+    if seq_len is None:
+        seq_len = 2 * (cfg.sliding_window or 8) + 3
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, seq_len))
 
 
 def quantized_cost(quantized: str, source: str, *, seq_len: int | None = None, batch: int = 2, seed: int = 0,
@@ -263,57 +269,50 @@ def quantized_cost(quantized: str, source: str, *, seq_len: int | None = None, b
     """The logits of the quantized model ``quantized`` (compressed-tensors int8 or fp8, as ``ckptbridge
     quantize`` or llm-compressor write it) against its unquantized ``source`` on the same random tokens,
     in float32 with transformers: the source model with its quantized weights replaced by the stored
-    ``weight x weight_scale`` and, for the served figure, the inputs of those layers rounded per token
-    as the scheme quantizes activations at run time."""
+    ``weight x weight_scale`` (one at a time, in place: memory is the float32 model) and, for the
+    served figure, the inputs of those layers rounded per token as vLLM quantizes activations."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from ckptbridge.quantize import SCALE_SUFFIX, scheme_of
 
     hf_logging.disable_progress_bar()
+    config_path = os.path.join(source, "config.json")
+    cfg = parse_config(read_config_file(config_path), config_path)
+    tokens = _random_tokens(cfg, seq_len, batch, seed)
     with HFModelDir(quantized) as q:
         scheme = scheme_of(q.config)
         if scheme is None:
             raise UnsupportedError(f"{quantized}: not a model quantized to int8 or fp8 (compressed-tensors "
                                    "quantization_config); give the output of `ckptbridge quantize`")
-        stored = {}
-        for key in q.keys():
-            if key.endswith("." + SCALE_SUFFIX):
-                weight = key[: -len(SCALE_SUFFIX)] + "weight"
-                stored[weight] = q.array(weight).astype(np.float32) * q.array(key).astype(np.float32)
-    config_path = os.path.join(source, "config.json")
-    cfg = parse_config(read_config_file(config_path), config_path)
-    if seq_len is None:
-        seq_len = 2 * (cfg.sliding_window or 8) + 3
-    tokens = torch.as_tensor(np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, seq_len)))
-    model = hf_model_class(source).from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
-    params = dict(model.named_parameters())
-    missing = [k for k in stored if k not in params]
-    if missing:
-        raise MismatchError(f"{quantized}: quantized weight {missing[0]} is not a parameter of the source model "
-                            f"{source}; give the model it was quantized from")
-    with torch.no_grad():
-        ref = model(input_ids=tokens).logits.float().numpy()
-        diff = norm = 0.0
-        for key, value in stored.items():
-            p = params[key]
-            if tuple(p.shape) != value.shape:
-                raise MismatchError(f"{quantized}: {key} has shape {list(value.shape)}, the source's "
-                                    f"{list(p.shape)}; give the model it was quantized from")
-            diff += float(np.sum((value - p.numpy()) ** 2))
-            norm += float(np.sum(p.numpy() ** 2))
-            p.copy_(torch.from_numpy(value))
-        weights_only = model(input_ids=tokens).logits.float().numpy()
-        modules = dict(model.named_modules())
-        hooks = [modules[key[: -len(".weight")]].register_forward_pre_hook(
-            lambda _, args: (_round_per_token(args[0], scheme), *args[1:])) for key in stored]
-        served = model(input_ids=tokens).logits.float().numpy()
-        for h in hooks:
-            h.remove()
+        weights = [key[: -len(SCALE_SUFFIX)] + "weight" for key in q.keys() if key.endswith("." + SCALE_SUFFIX)]
+        model = hf_model_class(source).from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
+        params = dict(model.named_parameters())
+        for key in weights:
+            if key not in params or tuple(params[key].shape) != tuple(q.info(key).shape):
+                raise MismatchError(f"{quantized}: quantized weight {key} is not a parameter of that shape in the "
+                                    f"source model {source}; give the model it was quantized from")
+        ids = torch.as_tensor(tokens)
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits.float().numpy()
+            diff = norm = 0.0
+            for key in weights:  # one tensor at a time
+                value = q.array(key).astype(np.float32) * q.array(key + "_scale").astype(np.float32)
+                p = params[key]
+                diff += float(np.sum((value - p.numpy()) ** 2))
+                norm += float(np.sum(p.numpy() ** 2))
+                p.copy_(torch.from_numpy(value))
+            weights_only = model(input_ids=ids).logits.float().numpy()
+            modules = dict(model.named_modules())
+            hooks = [modules[key[: -len(".weight")]].register_forward_pre_hook(
+                lambda _, args: (_round_per_token(args[0], scheme), *args[1:])) for key in weights]
+            served = model(input_ids=ids).logits.float().numpy()
+            for h in hooks:
+                h.remove()
     rel = rel_l2(served, ref)
     return QuantizedReport(
-        quantized=quantized, source=source, scheme=scheme.name, quantized_tensors=len(stored),
-        tokens=[batch, seq_len], weight_rel_l2=float(np.sqrt(diff / norm)) if norm else 0.0,
+        quantized=quantized, source=source, scheme=scheme.name, quantized_tensors=len(weights),
+        tokens=list(tokens.shape), weight_rel_l2=float(np.sqrt(diff / norm)) if norm else 0.0,
         rel_l2_weights_only=rel_l2(weights_only, ref), rel_l2=rel, max_abs_diff=float(np.max(np.abs(served - ref))),
         argmax_agreement=float(np.mean(served.argmax(-1) == ref.argmax(-1))),
         ok=tolerance is None or rel <= tolerance, tolerance=tolerance)

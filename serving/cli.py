@@ -100,11 +100,10 @@ def _check_quantized(args, profile) -> None:
     """A quantized model: one line on how vLLM takes it, or a ConfigError when the profile's
     hardware cannot run its scheme."""
     from ckptbridge.io.files import read_json_object
-    from ckptbridge.quantize import scheme_of
-    from ckptbridge.sources import describe_quantization
+    from ckptbridge.quantize import describe, scheme_of
 
     config = read_json_object(os.path.join(args.model, "config.json"), "")
-    what = describe_quantization(config)
+    what = describe(config)
     if what is None:
         return
     scheme = scheme_of(config)

@@ -87,8 +87,7 @@ def weights_memory(model_dir: str) -> dict:
     """What the weights of ``model_dir`` take (the memory vLLM loads them into: bytes as stored, by
     dtype) and how they are quantized: ``{"bytes", "dtypes", "quantization"}``."""
     from ckptbridge.io.hf import HFModelDir
-    from ckptbridge.quantize import scheme_of
-    from ckptbridge.sources import describe_quantization
+    from ckptbridge.quantize import describe, scheme_of
 
     with HFModelDir(model_dir) as model:
         dtypes: dict[str, int] = {}
@@ -96,7 +95,7 @@ def weights_memory(model_dir: str) -> dict:
             info = model.info(key)
             dtypes[info.dtype] = dtypes.get(info.dtype, 0) + info.nbytes
         scheme = scheme_of(model.config)
-        what = describe_quantization(model.config)
+        what = describe(model.config)
     quantization = f"{scheme.name} ({scheme.preset}, {what})" if scheme else what
     return {"bytes": sum(dtypes.values()), "dtypes": dtypes, "quantization": quantization}
 

@@ -42,7 +42,8 @@ def _auto(path: str):
 
 
 def _round_per_token(x, fp8: bool):
-    """Activations quantized and dequantized per token, as the schemes do at run time."""
+    """Activations quantized and dequantized per token, as compressed-tensors does in transformers
+    (int8: the token's largest magnitude over 127.5)."""
     q_max = 448.0 if fp8 else 127.0
     scale = (x.abs().amax(-1, keepdim=True).float() / (448.0 if fp8 else 127.5)).clamp_min(1e-12)
     y = (x.float() / scale).clamp(-q_max - (0 if fp8 else 1), q_max)

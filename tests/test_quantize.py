@@ -57,7 +57,10 @@ def _weights(dtype, seed=0):
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32], ids=["bf16", "f16", "f32"])
-def test_quantized_weight_and_scale_equal_compressed_tensors_operations(name, dtype):
+def test_quantized_weight_and_scale_equal_compressed_tensors_operations(name, dtype, monkeypatch):
+    import ckptbridge.quantize
+
+    monkeypatch.setattr(ckptbridge.quantize, "_CACHE_ELEMENTS", 500)  # blocks of 5 rows, the last one short
     scheme = SCHEMES[name]
     for seed in range(3):
         w = _weights(dtype, seed)
@@ -71,12 +74,22 @@ def test_quantized_weight_and_scale_equal_compressed_tensors_operations(name, dt
         assert q[4].max() == 127 and q[5].min() == -128 and not q[3].any()
 
 
-def test_dequantized_error_is_within_half_a_step():
-    w = _weights(np.float32)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32], ids=["bf16", "f16", "f32"])
+def test_dequantized_error_is_within_half_a_step(dtype):
+    """Every value: int8 within half a step of its scale (plus the first rounding of w / scale to the source
+    dtype: a quarter step at most); e4m3 within half its own ulp (3 mantissa bits) of w / scale."""
+    w = _weights(dtype)
+    wide = w.astype(np.float32)
+    first = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0**-11, np.dtype(ml_dtypes.bfloat16): 2.0**-8}
     for scheme in SCHEMES.values():
         q, scale = quantize_weight(w, scheme)
-        back = q.astype(np.float32) * scale
-        rel = np.linalg.norm(back - w) / np.linalg.norm(w)
+        s = scale.astype(np.float32)
+        err = np.abs(q.astype(np.float32) - wide / s)  # in steps of the scale
+        if scheme.ct_type == "int":
+            assert (err <= 0.5 + 128 * first[np.dtype(dtype)] + 1e-3).all(), scheme.name
+        else:
+            assert (err <= np.abs(wide / s) * (2.0**-4 + first[np.dtype(dtype)]) + 2.0**-10 + 1e-6).all()
+        rel = np.linalg.norm(q.astype(np.float32) * s - wide) / np.linalg.norm(wide)
         assert rel < (0.01 if scheme.name == "int8" else 0.05), (scheme.name, rel)
 
 
@@ -87,6 +100,10 @@ def test_bad_inputs_are_one_line():
         quantize_weight(np.zeros((2, 2), np.int8), SCHEMES["int8"], "layers.0.q_proj.weight")
     with pytest.raises(UnsupportedError, match="not a matrix"):
         quantize_weight(np.zeros((2, 2, 2), np.float32), SCHEMES["fp8"])
+    bad = np.ones((3, 4), np.float32)
+    bad[2, 1] = np.nan
+    with pytest.raises(UnsupportedError, match="k.weight: row 2 holds NaN or infinite values"):
+        quantize_weight(bad, SCHEMES["int8"], "k.weight")
 
 
 # --------------------------------------------------------------------------- whole models
@@ -168,6 +185,9 @@ def test_bad_models_are_one_line_and_write_nothing(checkpoints, tmp_path):
     cases = [
         (["quantize", done, "--scheme", "fp8"], 5, "already quantized (its config.json has a quantization_config"),
         (["quantize", checkpoints["qwen3_moe_bf16_sharded"], "--scheme", "int8"], 5, "mixture-of-experts"),
+        (["merge", checkpoints["qwen3_moe_bf16_sharded"], src, "--quantize", "int8"], 5, "mixture-of-experts"),
+        (["merge", done, src], 5, "already quantized (its config.json has a quantization_config: compressed-tensors, "
+                                  "int-quantized); merge into the unquantized model it was made from"),
         (["quantize", f64, "--scheme", "int8"], 5, "model.layers.0.self_attn.q_proj.weight is F64; int8 quantizes "
                                                    "BF16, F16 or F32 weights"),
         (["quantize", src, "--scheme", "int4"], 2, "invalid choice: 'int4'"),
@@ -209,15 +229,15 @@ def test_scheme_names_are_the_options_choices():
 
 
 @pytest.mark.slow
-def test_orbax_to_safetensors_quantizes_in_the_same_pass(converted, tmp_path):
-    from ckptbridge.convert import convert_orbax_to_safetensors
+def test_orbax_to_safetensors_quantizes_in_the_same_pass(checkpoints, tmp_path):
+    from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
     from ckptbridge.merge import quantize_model
 
-    orbax, _ = converted["kv_lm_bf16_sharded"]
+    orbax = str(tmp_path / "orbax")  # stored in chunks of 4 KiB: the projections are read in boxes of rows
+    convert_safetensors_to_orbax(checkpoints["kv_lm_bf16_sharded"], orbax, chunk_size="4KiB", progress=False)
     plain, one, two = (str(tmp_path / n) for n in ("plain", "one", "two"))
     convert_orbax_to_safetensors(orbax, plain, progress=False)
     for scheme in SCHEMES:
-        # in boxes of rows (chunk_size smaller than a projection) and whole leaves
         report = convert_orbax_to_safetensors(orbax, f"{one}.{scheme}", quantize=scheme, chunk_size="4KiB",
                                               memory_budget="64KiB", progress=False)
         quantize_model(plain, f"{two}.{scheme}", scheme=scheme, progress=False)
