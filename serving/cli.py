@@ -223,6 +223,31 @@ def cmd_score(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    from serving.profiles import PROFILES
+    from serving.watch import Watch, checkpoints_dir, watch
+
+    checkpoints_dir(args.run_dir)  # a directory that is not a training run: one line, exit 3
+    if not os.path.isdir(args.base) or not os.path.isfile(os.path.join(args.base, "config.json")):
+        raise InputNotFoundError(f"--base {args.base}: no HF model directory (config.json) there")
+    if not os.path.isdir(args.problems):
+        raise InputNotFoundError(f"--problems {args.problems}: no such directory")
+    if args.keep < 1:
+        raise ConfigError(f"--keep {args.keep}: keep at least 1 adapter loaded")
+    ks = tuple(int(k) for k in args.k.split(","))
+    w = Watch(args.run_dir, args.base, args.problems, args.out, samples=args.samples, keep=args.keep, ks=ks,
+              max_tokens=args.max_tokens, say=lambda line: print(line, flush=True))
+    profile = PROFILES[args.profile]
+    if not args.server and not profile.local:
+        raise ConfigError(f"profile {profile.name} runs on its own machine: start it there with runtime LoRA "
+                          "updating and pass its URL with --server")
+    dtype = args.dtype or profile.dtype
+    n = watch(w, server_url=args.server, profile=profile, once=args.once, poll=args.poll,
+              dtype=dtype, max_model_len=args.max_model_len or profile.max_model_len)
+    print(f"watch: {n} checkpoint(s) scored; rows in {os.path.join(args.out, 'watch.jsonl')}")
+    return 0
+
+
 def cmd_profiles(args) -> int:
     from serving.profiles import PROFILES
 
@@ -315,6 +340,29 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--timeout", type=float, default=30.0, help="seconds for each compile and each run")
     sc.add_argument("--json", action="store_true")
     sc.set_defaults(func=cmd_score)
+
+    wa = sub.add_parser("watch", help="score every checkpoint of a training run on a running vLLM as it lands",
+                        epilog=EPILOG,
+                        description="Follow RUN_DIR's checkpoints: each committed one is exported to a --target vllm "
+                        "adapter, linted, loaded into one vLLM server at run time, checked against transformers + "
+                        "PEFT and scored on the problems; a row per checkpoint in OUT/watch.jsonl, the best step in "
+                        "OUT/best.json, pass@k and loss vs step in OUT/watch.png. Restartable with the same --out.")
+    wa.add_argument("run_dir", metavar="RUN_DIR", help="the training run's directory (`python -m training --out`)")
+    wa.add_argument("--base", required=True, help="the HF base model the run fine-tunes")
+    wa.add_argument("--problems", default=BUNDLED_PROBLEMS, help="verilog-eval problems (default: the bundled ones)")
+    wa.add_argument("--server", metavar="URL", help="a running vLLM started with --enable-lora and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (default: start one with --profile)")
+    wa.add_argument("--profile", default="cpu", choices=sorted(PROFILES), help="profile of the server started here")
+    wa.add_argument("--samples", type=int, default=5, help="samples per problem")
+    wa.add_argument("--k", default="1,5", help="pass@k reported")
+    wa.add_argument("--keep", type=int, default=2, help="adapters kept loaded (the newest; the best one stays too)")
+    wa.add_argument("--max-tokens", type=int, default=1024)
+    wa.add_argument("--max-model-len", type=int)
+    wa.add_argument("--dtype", help="dtype vLLM computes in (default: the profile's)")
+    wa.add_argument("--poll", type=float, default=10.0, help="seconds between looks at the run")
+    wa.add_argument("--once", action="store_true", help="score the checkpoints there now and exit")
+    wa.add_argument("--out", required=True, help="directory of watch.jsonl, best.json, watch.png and adapters")
+    wa.set_defaults(func=cmd_watch)
 
     pr = sub.add_parser("profiles", help="list the deployment profiles")
     pr.set_defaults(func=cmd_profiles)

@@ -1,0 +1,393 @@
+"""``python -m serving watch``: score every checkpoint of a training run on the serving stack as it lands.
+
+One vLLM server for the whole run (runtime LoRA loading): each committed checkpoint of the run's
+Tunix ``CheckpointManager`` directory is exported to a ``--target vllm`` PEFT adapter, linted,
+loaded into the server, checked against transformers + PEFT (greedy ids on a few prompts), and
+scored on the problems (``eval generate`` + ``eval score``); one row per checkpoint goes to
+``OUT/watch.jsonl``. Restartable: a step with a row is never scored again; the samples of a step
+cut short are resumed.
+
+Layout of OUT: ``watch.jsonl`` (rows), ``best.json``, ``watch.png``, ``adapters/step-N``,
+``samples/step-N.jsonl``, ``scores/step-N.json``, ``server.log``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+
+from ckptbridge.errors import InputNotFoundError
+from serving.server import ServerError
+
+ROWS = "watch.jsonl"
+BEST = "best.json"
+PLOT = "watch.png"
+COMMIT_FILE = "_METADATA"  # Orbax writes it once every array of an item is written
+ITEM = "model_params"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint of the run: its step, its directory and when it was committed."""
+
+    step: int
+    path: str
+    committed: float  # time.time() of its commit file
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    """The checkpoint-manager directory of a training run (``RUN_DIR/checkpoints``); an
+    InputNotFoundError (exit 3) for a directory that is not a training run."""
+    if not os.path.isdir(run_dir):
+        raise InputNotFoundError(f"{run_dir}: no such directory; give the RUN_DIR of `python -m training`")
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isfile(os.path.join(run_dir, "config.json")) and not os.path.isdir(root):
+        raise InputNotFoundError(f"{run_dir}: not a training run (no config.json and no checkpoints/); give the "
+                                 "RUN_DIR of `python -m training`")
+    return root
+
+
+def committed(root: str) -> list[Checkpoint]:
+    """The run's committed checkpoints, by step. A step directory counts once its LoRA item has
+    Orbax's commit file and is not a temporary directory still being written."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        if not name.isdigit():  # Orbax writes <step>.orbax-checkpoint-tmp-<n> and renames it when done
+            continue
+        marker = os.path.join(root, name, ITEM, COMMIT_FILE)
+        try:
+            found.append(Checkpoint(int(name), os.path.join(root, name), os.stat(marker).st_mtime))
+        except FileNotFoundError:  # not committed yet, or removed by the run's retention meanwhile
+            continue
+    return sorted(found, key=lambda c: c.step)
+
+
+def loss_at(metrics_path: str, step: int) -> float | None:
+    """The training loss the run logged at ``step`` (whole lines of metrics.jsonl only), None if none."""
+    try:
+        with open(metrics_path) as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # a line being written
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("step") == step and isinstance(record.get("loss"), (int, float)):
+                    return float(record["loss"])
+    except FileNotFoundError:
+        return None
+    return None
+
+
+class Rows:
+    """``OUT/watch.jsonl``: one row per scored step, appended whole (a line and fsync), read back
+    on restart; a partly written last line (a kill mid-write) is dropped and rewritten away."""
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, ROWS)
+        self.rows: list[dict] = []
+        if os.path.isfile(self.path):
+            with open(self.path) as f:
+                text = f.read()
+            whole = text[: text.rfind("\n") + 1]
+            for line in whole.splitlines():
+                if line.strip():
+                    self.rows.append(json.loads(line))
+            if whole != text:  # rewrite without the partial line, atomically
+                tmp = self.path + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(whole)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+
+    @property
+    def steps(self) -> set[int]:
+        return {r["step"] for r in self.rows}
+
+    def append(self, row: dict) -> None:
+        if row["step"] in self.steps:
+            raise RuntimeError(f"step {row['step']} has a row already")
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows.append(row)
+
+
+def best(rows: list[dict], k: int = 1) -> dict | None:
+    """The best row: highest pass@k (``k``: 1), ties to the lower training loss, then the earlier step."""
+    scored = [r for r in rows if r.get(f"pass@{k}") is not None]
+    if not scored:
+        return None
+
+    def key(r):
+        loss = r.get("loss")
+        return (-r[f"pass@{k}"], loss if loss is not None else float("inf"), r["step"])
+
+    return min(scored, key=key)
+
+
+def write_best(out: str, rows: list[dict]) -> dict | None:
+    row = best(rows)
+    if row is None:
+        return None
+    record = {"step": row["step"], "adapter": row["adapter"], "pass@1": row["pass@1"], "loss": row.get("loss"),
+              "chosen_by": "pass@1, ties to the lower training loss"}
+    tmp = os.path.join(out, BEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(out, BEST))
+    return record
+
+
+def plot(out: str, rows: list[dict], ks: tuple[int, ...]) -> str | None:
+    """``OUT/watch.png``: pass@k (left axis) and the training loss (right) against step."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: r["step"])
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
+    for k in ks:
+        ax.plot(steps, [r.get(f"pass@{k}") for r in rows], marker="o", label=f"pass@{k}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("pass@k")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    losses = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    if losses:
+        ax2 = ax.twinx()
+        ax2.plot([s for s, _ in losses], [v for _, v in losses], color="gray", ls="--", marker=".", label="loss")
+        ax2.set_ylabel("training loss")
+        ax2.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("checkpoints scored as they land")
+    fig.tight_layout()
+    path = os.path.join(out, PLOT)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def pending(root: str, done: set[int], say: Callable[[str], None]) -> Iterator[Checkpoint]:
+    """Committed checkpoints without a row, oldest first."""
+    for ckpt in committed(root):
+        if ckpt.step not in done:
+            yield ckpt
+
+
+class ServerGone(ServerError):
+    """The vLLM server stopped answering (exit 9; the rows written so far stay)."""
+
+
+class LoraServer:
+    """A running vLLM (OpenAI API) that takes LoRA adapters at run time: ``load`` / ``unload`` through
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the server started with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+
+    def _post(self, path: str, body: dict) -> None:
+        import httpx
+
+        try:
+            r = httpx.post(f"{self.url}{path}", json=body, timeout=300)
+        except httpx.TransportError as e:
+            raise ServerGone(f"the server at {self.url} went away ({type(e).__name__})") from None
+        if r.status_code != 200:
+            from ckptbridge.errors import ConfigError
+
+            raise ConfigError(f"{self.url}{path} answered {r.status_code}: {r.text.strip()[:300]}; the server must "
+                              "run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (`python -m serving "
+                              "watch` starts one so)")
+
+    def load(self, name: str, path: str) -> None:
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": os.path.abspath(path)})
+
+    def unload(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def models(self) -> list[str]:
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.url}/v1/models", timeout=30)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise ServerGone(f"the server at {self.url} went away ({type(e).__name__})") from None
+        return [m["id"] for m in r.json().get("data", [])]
+
+
+@dataclasses.dataclass
+class Watch:
+    """What one watch needs: the run, the base model, the problems, where to write, how to score."""
+
+    run_dir: str
+    base: str
+    problems: str
+    out: str
+    samples: int = 5
+    keep: int = 2
+    ks: tuple[int, ...] = (1, 5)
+    temperature: float = 0.8
+    max_tokens: int = 1024
+    parity_tokens: int = 8
+    say: Callable[[str], None] = print
+
+    @property
+    def root(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    def adapter_dir(self, step: int) -> str:
+        return os.path.join(self.out, "adapters", f"step-{step}")
+
+    def export(self, ckpt: Checkpoint) -> str | None:
+        """The checkpoint as a ``--target vllm`` adapter (None, with one line, when the run's retention
+        removed it first)."""
+        from ckptbridge.adapters import convert_orbax_to_peft
+        from ckptbridge.errors import CkptBridgeError
+
+        dst = self.adapter_dir(ckpt.step)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            convert_orbax_to_peft(ckpt.path, dst, base=self.base, target="vllm", overwrite=True, progress=False)
+        except (CkptBridgeError, OSError):
+            if not os.path.isdir(ckpt.path):
+                self.say(f"watch: step {ckpt.step}: removed by the run's retention before it was exported; skipped")
+                return None
+            raise
+        return dst
+
+    def lint(self, adapter: str) -> int:
+        """Lint the adapter for vLLM; the --max-lora-rank it needs."""
+        from ckptbridge.adapter_check import lint_adapter
+        from ckptbridge.errors import MismatchError
+
+        lint = lint_adapter(adapter, self.base, target="vllm")
+        if lint.errors:
+            raise MismatchError(f"{adapter}: {lint.errors[0].message}")
+        return lint.max_lora_rank
+
+    def score(self, server: LoraServer, ckpt: Checkpoint, adapter: str) -> dict:
+        """Load, probe, generate and score one checkpoint; its row."""
+        from ckptbridge.verify import served_parity
+        from serving.evaluate import generate, score
+
+        name = f"step-{ckpt.step}"
+        if name not in server.models():
+            server.load(name, adapter)
+        parity = served_parity(server.url, name, self.base, adapter=adapter, tokens=self.parity_tokens)
+        samples = os.path.join(self.out, "samples", f"{name}.jsonl")
+        os.makedirs(os.path.dirname(samples), exist_ok=True)
+        generate(server.url, name, self.problems, samples, n=self.samples, temperature=self.temperature,
+                 max_tokens=self.max_tokens, seed=ckpt.step, progress=False)
+        result_path = os.path.join(self.out, "scores", f"{name}.json")
+        os.makedirs(os.path.dirname(result_path), exist_ok=True)
+        result = score(self.problems, samples, result_path, ks=self.ks, progress=False)
+        row = {"step": ckpt.step, "loss": loss_at(os.path.join(self.run_dir, "metrics.jsonl"), ckpt.step),
+               "adapter": adapter, "served_parity": "equal" if parity.equal else
+               f"differs at token {parity.first_divergence}",
+               "seconds_commit_to_score": round(time.time() - ckpt.committed, 1)}
+        for k in self.ks:
+            row[f"pass@{k}"] = result.get(f"pass@{k}")
+        return row
+
+    def retire(self, server: LoraServer, rows: list[dict]) -> None:
+        """Unload scored adapters beyond the ``keep`` newest; the best one stays."""
+        top = best(rows)
+        keep = {r["step"] for r in sorted(rows, key=lambda r: r["step"])[-self.keep:]}
+        if top is not None:
+            keep.add(top["step"])
+        loaded = set(server.models())
+        for r in rows:
+            name = f"step-{r['step']}"
+            if r["step"] not in keep and name in loaded:
+                server.unload(name)
+
+    def line(self, row: dict) -> str:
+        passes = ", ".join(f"pass@{k} {row[f'pass@{k}']:.3f}" if row.get(f"pass@{k}") is not None else f"pass@{k} -"
+                           for k in self.ks)
+        loss = f"loss {row['loss']:.4f}" if row.get("loss") is not None else "loss -"
+        return (f"watch: step {row['step']}: {loss}, {passes}, served parity {row['served_parity']}, "
+                f"{row['seconds_commit_to_score']:.0f} s from commit to score")
+
+    def pass_once(self, server: LoraServer, rows: Rows) -> int:
+        """Score every committed checkpoint without a row; how many were scored."""
+        n = 0
+        for ckpt in pending(self.root, rows.steps, self.say):
+            adapter = self.export(ckpt)
+            if adapter is None:
+                continue
+            self.lint(adapter)
+            row = self.score(server, ckpt, adapter)
+            rows.append(row)
+            self.say(self.line(row))
+            write_best(self.out, rows.rows)
+            plot(self.out, rows.rows, self.ks)
+            self.retire(server, rows.rows)
+            n += 1
+        return n
+
+
+def run_finished(run_dir: str) -> bool:
+    """The training run wrote its summary (``run.json``): no more checkpoints will come."""
+    return os.path.isfile(os.path.join(run_dir, "run.json"))
+
+
+def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, max_model_len: int, log: str):
+    """A local vLLM on the base that takes adapters at run time (cpu profile): ``(LocalServer, LoraServer)``."""
+    from serving.profiles import build_command
+    from serving.server import LocalServer, free_port
+
+    cmd = build_command(profile, w.base, port=port or free_port(), max_model_len=max_model_len, dtype=dtype,
+                        extra_args=["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(w.keep + 2)])
+    cmd.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    local = LocalServer(cmd, log)
+    local.__enter__()
+    return local, LoraServer(local.url)
+
+
+def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float, port: int | None = None,
+          dtype: str = "auto", max_model_len: int = 4096) -> int:
+    """Follow the run until it finished and every checkpoint has a row (``once``: score what is there
+    and return). Returns how many checkpoints were scored by this call."""
+    os.makedirs(w.out, exist_ok=True)
+    rows = Rows(w.out)
+    if rows.rows:
+        w.say(f"watch: {len(rows.rows)} step(s) scored already ({', '.join(str(s) for s in sorted(rows.steps))}); "
+              "not scored again")
+    local = None
+    server = LoraServer(server_url) if server_url else None
+    scored = 0
+    try:
+        while True:
+            finished = run_finished(w.run_dir)  # read before listing: a last checkpoint is then listed too
+            todo = list(pending(w.root, rows.steps, w.say))
+            if todo and server is None:
+                first = w.export(todo[0])
+                if first is not None:
+                    local, server = start_server(w, profile, w.lint(first), port=port, dtype=dtype,
+                                                 max_model_len=max_model_len,
+                                                 log=os.path.join(w.out, "server.log"))
+                    w.say(f"watch: vLLM serving {w.base} at {local.url} (log: {os.path.join(w.out, 'server.log')})")
+            if todo and server is not None:
+                scored += w.pass_once(server, rows)
+            if once or (finished and not list(pending(w.root, rows.steps, w.say))):
+                return scored
+            time.sleep(poll)
+    finally:
+        if local is not None:
+            local.stop()
