@@ -25,7 +25,10 @@ from serving.server import ServerError
 ROWS = "watch.jsonl"
 BEST = "best.json"
 PLOT = "watch.png"
-COMMIT_FILE = "_METADATA"  # Orbax writes it once every array of an item is written
+# Orbax's CheckpointManager writes a step into <step>.orbax-checkpoint-tmp-<n> and renames it to <step>
+# once every item is written; the step's _CHECKPOINT_METADATA is there from then on (on Cloud Storage, in
+# place, with commit_success.txt last)
+COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
 ITEM = "model_params"
 
 
@@ -51,19 +54,23 @@ def checkpoints_dir(run_dir: str) -> str:
 
 
 def committed(root: str) -> list[Checkpoint]:
-    """The run's committed checkpoints, by step. A step directory counts once its LoRA item has
-    Orbax's commit file and is not a temporary directory still being written."""
+    """The run's committed checkpoints, by step: step directories (not Orbax's temporary ones)
+    with a commit file and the LoRA item."""
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
-        if not name.isdigit():  # Orbax writes <step>.orbax-checkpoint-tmp-<n> and renames it when done
+        if not name.isdigit():
             continue
-        marker = os.path.join(root, name, ITEM, COMMIT_FILE)
-        try:
-            found.append(Checkpoint(int(name), os.path.join(root, name), os.stat(marker).st_mtime))
-        except FileNotFoundError:  # not committed yet, or removed by the run's retention meanwhile
-            continue
+        step = os.path.join(root, name)
+        for marker in COMMIT_FILES:
+            try:
+                when = os.stat(os.path.join(step, marker)).st_mtime
+            except FileNotFoundError:  # not this one, not committed yet, or removed by the run's retention
+                continue
+            if os.path.isdir(os.path.join(step, ITEM)):
+                found.append(Checkpoint(int(name), step, when))
+            break
     return sorted(found, key=lambda c: c.step)
 
 
