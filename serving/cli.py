@@ -241,7 +241,13 @@ def cmd_watch(args) -> int:
     if not args.server and not profile.local:
         raise ConfigError(f"profile {profile.name} runs on its own machine: start it there with runtime LoRA "
                           "updating and pass its URL with --server")
-    dtype = args.dtype or profile.dtype
+    if args.dtype:
+        dtype = args.dtype
+    else:  # the checkpoint's own dtype: the served-parity probe compares with transformers in float32
+        from serving.vllm_facts import model_limits
+
+        limits = model_limits(args.base)
+        dtype = limits.weights_dtype or limits.config_dtype or profile.dtype
     n = watch(w, server_url=args.server, profile=profile, once=args.once, poll=args.poll,
               dtype=dtype, max_model_len=args.max_model_len or profile.max_model_len)
     print(f"watch: {n} checkpoint(s) scored; rows in {os.path.join(args.out, 'watch.jsonl')}")

@@ -354,17 +354,65 @@ def run_finished(run_dir: str) -> bool:
     return os.path.isfile(os.path.join(run_dir, "run.json"))
 
 
-def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, max_model_len: int, log: str):
-    """A local vLLM on the base that takes adapters at run time (cpu profile): ``(LocalServer, LoraServer)``."""
+SERVER = "server.json"  # the server this watch started: {"pid", "url", "base"}; gone once it is stopped
+
+
+class OwnServer:
+    """The local vLLM a watch started (or adopted from a watch killed before it could stop it):
+    stopped, with its process group, when the watch ends."""
+
+    def __init__(self, out: str, pid: int, url: str, local=None):
+        self.out, self.pid, self.url, self.local = out, pid, url, local
+
+    def stop(self) -> None:
+        import signal
+
+        if self.local is not None:
+            self.local.stop()
+        else:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                for _ in range(300):
+                    os.killpg(self.pid, 0)
+                    time.sleep(0.1)
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.remove(os.path.join(self.out, SERVER))
+        except FileNotFoundError:
+            pass
+
+
+def adopt_server(out: str, base: str) -> OwnServer | None:
+    """The server a killed watch with the same OUT left running, when it still serves ``base``."""
+    try:
+        with open(os.path.join(out, SERVER)) as f:
+            record = json.load(f)
+        os.killpg(record["pid"], 0)
+        if record.get("base") != os.path.abspath(base):
+            return None
+        LoraServer(record["url"]).models()
+    except (OSError, ValueError, KeyError, TypeError, ServerGone):
+        return None
+    return OwnServer(out, record["pid"], record["url"])
+
+
+def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, max_model_len: int) -> OwnServer:
+    """A local vLLM on the base that takes adapters at run time; recorded in OUT/server.json."""
     from serving.profiles import build_command
     from serving.server import LocalServer, free_port
 
     cmd = build_command(profile, w.base, port=port or free_port(), max_model_len=max_model_len, dtype=dtype,
                         extra_args=["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(w.keep + 2)])
     cmd.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    local = LocalServer(cmd, log)
+    local = LocalServer(cmd, os.path.join(w.out, "server.log"))
     local.__enter__()
-    return local, LoraServer(local.url)
+    tmp = os.path.join(w.out, SERVER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"pid": local.proc.pid, "url": local.url, "base": os.path.abspath(w.base)}, f)
+    os.replace(tmp, os.path.join(w.out, SERVER))
+    return OwnServer(w.out, local.proc.pid, local.url, local)
 
 
 def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float, port: int | None = None,
@@ -376,8 +424,10 @@ def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float,
     if rows.rows:
         w.say(f"watch: {len(rows.rows)} step(s) scored already ({', '.join(str(s) for s in sorted(rows.steps))}); "
               "not scored again")
-    local = None
-    server = LoraServer(server_url) if server_url else None
+    own = None if server_url else adopt_server(w.out, w.base)
+    if own is not None:
+        w.say(f"watch: using the server the last watch left running at {own.url}")
+    server = LoraServer(server_url) if server_url else LoraServer(own.url) if own is not None else None
     scored = 0
     try:
         while True:
@@ -386,15 +436,14 @@ def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float,
             if todo and server is None:
                 first = w.export(todo[0])
                 if first is not None:
-                    local, server = start_server(w, profile, w.lint(first), port=port, dtype=dtype,
-                                                 max_model_len=max_model_len,
-                                                 log=os.path.join(w.out, "server.log"))
-                    w.say(f"watch: vLLM serving {w.base} at {local.url} (log: {os.path.join(w.out, 'server.log')})")
+                    own = start_server(w, profile, w.lint(first), port=port, dtype=dtype, max_model_len=max_model_len)
+                    server = LoraServer(own.url)
+                    w.say(f"watch: vLLM serving {w.base} at {own.url} (log: {os.path.join(w.out, 'server.log')})")
             if todo and server is not None:
                 scored += w.pass_once(server, rows)
             if once or (finished and not list(pending(w.root, rows.steps, w.say))):
                 return scored
             time.sleep(poll)
     finally:
-        if local is not None:
-            local.stop()
+        if own is not None:
+            own.stop()

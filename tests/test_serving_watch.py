@@ -54,3 +54,92 @@ def test_loss_at_reads_whole_lines_only(tmp_path):
     path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n{"step": 3, "lo')
     assert loss_at(str(path), 2) == 2.25
     assert loss_at(str(path), 3) is None and loss_at(str(tmp_path / "none"), 1) is None
+
+
+# --------------------------------------------------------------------------- the whole loop (vLLM on the CPU)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "training", "data_files", "codev_sample.jsonl")
+
+
+def _rows(out):
+    path = os.path.join(out, "watch.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+@pytest.mark.slow
+def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_serving_server import short_problems
+
+    from ckptbridge.specs.gemma4 import VLLM_DIMS
+    from ckptbridge.testing import build_checkpoint
+    from serving.profiles import SERVE_PYTHON
+
+    if not os.path.exists(SERVE_PYTHON):
+        pytest.skip("no .venv-serve: run scripts/setup.sh")
+    base = build_checkpoint(str(tmp_path / "tiny-gemma4"), prefix="model.", max_position_embeddings=256, **VLLM_DIMS)
+    problems = short_problems(tmp_path)
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "watch")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(tmp_path / "train.log", "w") as log:
+        training = subprocess.Popen([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--quiet",
+                                     "--base", base, "--data", SAMPLE, "--out", run_dir, "--max-steps", "4", "grad_accum=1",
+                                     "micro_batch=1", "max_length=256", "checkpoint_every=1", "keep_checkpoints=4",
+                                     "learning_rate=5e-3"], cwd=ROOT, env=env, stdout=log, stderr=log)
+    watch = ["python", "-m", "serving", "watch", run_dir, "--base", base, "--problems", problems, "--out", out,
+             "--samples", "2", "--k", "1,2", "--max-tokens", "24", "--poll", "0.5"]
+    watch[0] = sys.executable
+
+    def start():
+        return subprocess.Popen(watch, cwd=ROOT, env=env, stdout=open(tmp_path / "watch.out", "a"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    first = start()
+    deadline = time.time() + 900
+    while time.time() < deadline and len(_rows(out)) < 2 and first.poll() is None:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)  # after its second row
+    first.wait()
+    before = _rows(out)
+    assert len(before) >= 2, open(tmp_path / "watch.out").read()[-3000:]
+    second = start()
+    assert second.wait(timeout=900) == 0, open(tmp_path / "watch.out").read()[-3000:]
+    assert training.wait(timeout=600) == 0, open(tmp_path / "train.log").read()[-3000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each once, in order
+    assert rows[: len(before)] == before  # not scored again
+    for r in rows:
+        assert r["served_parity"] == "equal", r
+        assert 0 <= r["pass@1"] <= r["pass@2"] <= 1 and r["loss"] > 0 and r["seconds_commit_to_score"] >= 0
+        assert os.path.isfile(os.path.join(r["adapter"], "adapter_config.json"))
+    server_log = open(os.path.join(out, "server.log")).read()
+    assert server_log.count("non-default args") == 1  # one vLLM start: the restart used the server left running
+    best = json.load(open(os.path.join(out, "best.json")))
+    top = max(rows, key=lambda r: (r["pass@1"], -r["loss"]))
+    assert best["step"] == top["step"] and os.path.isfile(os.path.join(out, "watch.png"))
+    assert not os.path.exists(os.path.join(out, "server.json"))  # stopped at the end
+    text = open(tmp_path / "watch.out").read()
+    assert "using the server the last watch left running" in text and "step 4: loss" in text
+
+    # --once on the finished run scores only what has no row
+    with open(os.path.join(out, "watch.jsonl"), "w") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows[:3])
+    proc = subprocess.run(watch + ["--once"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 checkpoint(s) scored" in proc.stdout and "step 4: loss" in proc.stdout
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
+
+
+def test_watch_refuses_what_is_not_a_run(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "serving", "watch", str(tmp_path), "--base", str(tmp_path), "--out",
+                           str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and "not a training run" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
