@@ -87,10 +87,11 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "watch")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(tmp_path / "train.log", "w") as log:
-        training = subprocess.Popen([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--quiet",
-                                     "--base", base, "--data", SAMPLE, "--out", run_dir, "--max-steps", "4", "grad_accum=1",
-                                     "micro_batch=1", "max_length=256", "checkpoint_every=1", "keep_checkpoints=4",
-                                     "learning_rate=5e-3"], cwd=ROOT, env=env, stdout=log, stderr=log)
+        args = ["--preset", "tiny-cpu", "--quiet", "--base", base, "--data", SAMPLE, "--out", run_dir, "--max-steps",
+                "4", "grad_accum=1", "micro_batch=1", "max_length=256", "checkpoint_every=1", "keep_checkpoints=4",
+                "learning_rate=5e-3"]
+        training = subprocess.Popen([sys.executable, "-m", "training", *args], cwd=ROOT, env=env, stdout=log,
+                                    stderr=log)
     watch = ["python", "-m", "serving", "watch", run_dir, "--base", base, "--problems", problems, "--out", out,
              "--samples", "2", "--k", "1,2", "--max-tokens", "24", "--poll", "0.5"]
     watch[0] = sys.executable
