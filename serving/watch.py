@@ -440,7 +440,17 @@ def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float,
                     server = LoraServer(own.url)
                     w.say(f"watch: vLLM serving {w.base} at {own.url} (log: {os.path.join(w.out, 'server.log')})")
             if todo and server is not None:
-                scored += w.pass_once(server, rows)
+                try:
+                    scored += w.pass_once(server, rows)
+                except ServerGone as e:
+                    raise ServerGone(f"{e}; the {len(rows.rows)} row(s) so far are in {rows.path}") from None
+                except Exception as e:
+                    import httpx
+
+                    if isinstance(e, httpx.TransportError):
+                        raise ServerGone(f"the server at {server.url} went away ({type(e).__name__}); the "
+                                         f"{len(rows.rows)} row(s) so far are in {rows.path}") from None
+                    raise
             if once or (finished and not list(pending(w.root, rows.steps, w.say))):
                 return scored
             time.sleep(poll)

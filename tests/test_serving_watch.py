@@ -144,3 +144,26 @@ def test_watch_refuses_what_is_not_a_run(tmp_path):
                            str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and "not a training run" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_server_that_goes_away_is_one_line_and_exit_9(adapters, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from serving.server import free_port
+
+    row = adapters["keqv_text_bf16_single"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(row.tunix, run_dir / "checkpoints")  # a Tunix CheckpointManager tree, step 3
+    (run_dir / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "serving", "watch", str(run_dir), "--base", row.base, "--out", str(out),
+                           "--server", f"http://127.0.0.1:{free_port()}", "--once"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "went away" in last and "the 0 row(s) so far are in" in last, proc.stderr
+    assert os.path.isdir(out / "adapters" / "step-3")  # exported before the server was asked
