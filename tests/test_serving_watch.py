@@ -160,9 +160,10 @@ def test_a_server_that_goes_away_is_one_line_and_exit_9(adapters, tmp_path):
     shutil.copytree(row.tunix, run_dir / "checkpoints")  # a Tunix CheckpointManager tree, step 3
     (run_dir / "config.json").write_text("{}")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "serving", "watch", str(run_dir), "--base", row.base, "--out", str(out),
-                           "--server", f"http://127.0.0.1:{free_port()}", "--once"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    argv = ["watch", str(run_dir), "--base", row.base, "--out", str(out), "--server",
+            f"http://127.0.0.1:{free_port()}", "--once"]
+    proc = subprocess.run([sys.executable, "-m", "serving", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 9, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "went away" in last and "the 0 row(s) so far are in" in last, proc.stderr
