@@ -108,9 +108,9 @@ def _check_quantized(args, profile) -> None:
         return
     scheme = scheme_of(config)
     if scheme is not None and scheme.name not in profile.quant_schemes:
-        raise ConfigError(f"profile {profile.name} cannot run {scheme.name} ({scheme.preset}) weights: its hardware runs "
-                          f"{', '.join(profile.quant_schemes)}; quantize the unquantized model with `ckptbridge quantize "
-                          f"SRC DST --scheme {profile.quant_schemes[0]}`")
+        raise ConfigError(f"profile {profile.name} cannot run {scheme.name} ({scheme.preset}) weights: its hardware "
+                          f"runs {', '.join(profile.quant_schemes)}; quantize the unquantized model with `ckptbridge "
+                          f"quantize SRC DST --scheme {profile.quant_schemes[0]}`")
     named = f"{scheme.name}, {scheme.preset}" if scheme else "not one of ckptbridge's schemes"
     print(f"serving: quantized model ({what}; {named}): vLLM reads its quantization_config, no --quantization "
           "needed", file=sys.stderr)

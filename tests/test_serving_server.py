@@ -160,8 +160,11 @@ def test_bench_sweep_returns_complete_figures(server, tmp_path):
         assert p["output_tokens"] == 6 * p["output_len"] and p["input_tokens"] == 6 * p["input_len"]
         assert p["total_tok_s"] > p["output_tok_s"] > 0 and p["peak_output_tok_s"] > 0
         assert 0 < p["median_ttft_ms"] <= p["p99_ttft_ms"] < p["duration_s"] * 1000
-        assert 0 < p["median_tpot_ms"] < 10_000 and p["p99_itl_ms"] > 0
+        # tokens that reach the client in one read share their arrival time: on a starved 2-core
+        # machine a short request's tokens can all come at once (TPOT 0, no inter-token gap to measure)
+        assert 0 <= p["median_tpot_ms"] < 10_000 and (p["p99_itl_ms"] is None or p["p99_itl_ms"] > 0)
         assert p["usd_per_1m_output_tokens"] == pytest.approx(21.52 / (p["output_tok_s"] * 3600 / 1e6))
+    assert any(p["median_tpot_ms"] > 0 and p["p99_itl_ms"] for p in result["points"])  # streaming was measured
     assert [round(t["total_usd"], 2) for t in result["tco"]] == [77.63, 228.27, 572.59]
     for name in ("bench.txt", "throughput_vs_qps.png", "ttft_vs_qps.png"):
         assert (out / name).stat().st_size > 0
