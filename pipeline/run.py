@@ -5,13 +5,16 @@
     family; byte-level BPE tokenizer with a chat template), or ``--base``;
  2. HF -> Orbax -> HF round trip (bit-exact check) and transformers vs Tunix logits;
  3. LoRA SFT with the ``training`` package (tiny-cpu preset) on the bundled CodeV-format sample
-    data (or ``--data``);
- 4. the training checkpoint -> PEFT adapter (``--target vllm`` and for transformers) with no
-    extra flags, and -> merged model (``merge_lora``); Tunix vs PEFT vs merged logits;
- 5. vLLM (cpu profile) serving the base with the adapter; its greedy tokens vs transformers + PEFT
+    data (or ``--data``), in the background, a checkpoint every few steps; beside it
+    ``serving watch`` exports each checkpoint as it lands, loads it into one vLLM (cpu profile,
+    runtime LoRA loading), checks it against transformers + PEFT and scores it on the bundled
+    problems (or ``--problems``): pass@k against step, the best step;
+ 4. the last checkpoint -> PEFT adapter (``--target vllm`` and for transformers) with no extra
+    flags, and -> merged model (``merge_lora``); Tunix vs PEFT vs merged logits;
+ 5. the same vLLM serving that adapter as ``ft``; its greedy tokens vs transformers + PEFT
     (``ckptbridge verify served``);
- 6. a short ``bench`` sweep; 7. ``eval generate`` + ``eval score`` on the bundled problems (or
-    ``--problems``);
+ 6. a short ``bench`` sweep; 7. verilog-eval of the last checkpoint (the watch's score) and the
+    harness check (reference solutions pass);
  8. ``out/report.md`` + ``report.json`` + the PNGs.
 
     python -m pipeline [--out out] [--family NAME | --base HF_DIR] [--data DATA.jsonl] [--problems DIR] [--smallest]
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -50,12 +54,16 @@ TOL = 5e-5
 # paper rates ($/h) used to price this run's figures
 TRAIN_RATE, SERVE_RATE = 16.80, 21.52
 
+# every checkpoint is kept (LoRA only, small): the watch scores each one, however far behind training it is
 SETTINGS = {
-    "default": dict(layers=12, train=["max_length=512", "grad_accum=2", "epochs=3", "checkpoint_every=5"],
+    "default": dict(layers=12, train=["max_length=512", "grad_accum=2", "epochs=3", "checkpoint_every=5",
+                                      "keep_checkpoints=1000"],
                     qps="2,8,inf", shapes="128x64,384x128", num_prompts=16, n=5, max_tokens=256, greedy=16),
-    "smallest": dict(layers=6, train=["max_length=512", "grad_accum=2", "epochs=1", "checkpoint_every=3"],
+    "smallest": dict(layers=6, train=["max_length=512", "grad_accum=2", "epochs=1", "checkpoint_every=3",
+                                      "keep_checkpoints=1000"],
                      qps="4,inf", shapes="64x32", num_prompts=8, n=2, max_tokens=48, greedy=8),
 }
+WATCH_KEEP = 2  # adapters the watch keeps loaded (and the best one)
 
 
 class Steps:
@@ -87,6 +95,40 @@ def dir_bytes(path: str) -> int:
     return total
 
 
+class TrainingFailed(CkptBridgeError):
+    """The background training process exited non-zero."""
+
+
+def _training(run_dir: str, cfg, out: str) -> dict:
+    """The run's summary (``run.json``) and the report's training section; loss.png copied to ``out``."""
+    from training.trainer import read_metrics
+
+    with open(os.path.join(run_dir, "run.json")) as f:
+        summary = json.load(f)
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    shutil.copyfile(os.path.join(run_dir, "loss.png"), os.path.join(out, "loss.png"))
+    keys = ("steps", "first_loss", "final_loss", "tokens", "real_token_fraction", "tokens_per_s", "train_seconds",
+            "examples", "dropped_too_long", "compile_seconds", "steady_tokens_per_s", "steady_step_seconds",
+            "steady_mfu", "chip", "chips")
+    return {"summary": summary,
+            "training": {**{k: summary[k] for k in keys}, "rank": cfg.rank, "alpha": cfg.alpha,
+                         "max_length": cfg.max_length, "checkpoint_every": cfg.checkpoint_every,
+                         "losses": [round(m["loss"], 4) for m in metrics]}}
+
+
+def _watched(w, out: str, steps: int, every: int) -> dict:
+    """The watch's rows, best step and plot (copied to ``out``), and the checkpoints the run saved."""
+    from serving.watch import BEST, PLOT, Rows
+
+    rows = sorted(Rows(w.out).rows, key=lambda r: r["step"])
+    for name in (PLOT, BEST):
+        shutil.copyfile(os.path.join(w.out, name), os.path.join(out, name))
+    with open(os.path.join(out, BEST)) as f:
+        best = json.load(f)
+    saved = sorted({*range(every, steps + 1, every), steps})
+    return {"rows": rows, "best": best, "saved_steps": saved}
+
+
 def run(args) -> dict:
     import jax
 
@@ -95,16 +137,24 @@ def run(args) -> dict:
     from ckptbridge.merge import merge_lora
     from ckptbridge.testing import build_checkpoint
     from ckptbridge.tunix_model import load_tunix_lora_model
-    from ckptbridge.verify import (compare_tensors, hf_logits, logits_parity, peft_logits, rel_l2, served_parity,
-                                   server_greedy, tunix_logits)
+    from ckptbridge.verify import (
+        compare_tensors,
+        hf_logits,
+        logits_parity,
+        peft_logits,
+        rel_l2,
+        served_parity,
+        server_greedy,
+        tunix_logits,
+    )
     from serving import bench as bench_lib
     from serving.cost import cost_per_million, tco_table
-    from serving.evaluate import BUNDLED_PROBLEMS, generate, list_problems, score
-    from serving.profiles import PROFILES, build_command
-    from serving.server import LocalServer, free_port
+    from serving.evaluate import BUNDLED_PROBLEMS, list_problems, score
+    from serving.profiles import PROFILES
+    from serving.server import LocalServer
+    from serving.watch import LoraServer, Watch, lora_server_command, watch
     from training.cli import SAMPLE_DATA
     from training.config import build_config
-    from training.trainer import read_metrics, train
 
     jax.config.update("jax_default_matmul_precision", "highest")
     s = SETTINGS["smallest" if args.smallest else "default"]
@@ -148,73 +198,90 @@ def run(args) -> dict:
                             "orbax_bytes": dir_bytes(orbax_dir)}
     report["parity"] = parity.to_json()
 
-    # 3. training
-    steps("train", f"LoRA SFT with the training package (tiny-cpu preset) on {os.path.basename(data)}")
+    # 3. training in the background, each checkpoint scored as it lands
+    steps("train", f"LoRA SFT with the training package (tiny-cpu preset) on {os.path.basename(data)} in the "
+                   "background; serving watch scores each checkpoint on one vLLM as it lands")
     run_dir = os.path.join(work, "run")
-    cfg = build_config("tiny-cpu", None, list(s["train"]) + list(args.train_arg))
-    summary = train(cfg, base=base, data_path=data, out=run_dir, progress=None)
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    shutil.copyfile(os.path.join(run_dir, "loss.png"), os.path.join(out, "loss.png"))
-    report["training"] = {**{k: summary[k] for k in ("steps", "first_loss", "final_loss", "tokens", "real_token_fraction",
-                                                     "tokens_per_s", "train_seconds", "examples", "dropped_too_long",
-                                                     "compile_seconds", "steady_tokens_per_s", "steady_step_seconds",
-                                                     "steady_mfu", "chip", "chips")},
-                          "rank": cfg.rank, "alpha": cfg.alpha, "max_length": cfg.max_length,
-                          "losses": [round(m["loss"], 4) for m in metrics]}
-
-    # 4. checkpoint -> adapters, merged model; logits
-    steps("export", "training checkpoint -> PEFT adapters (vllm and hf targets, no extra flags) and merged model")
-    ckpts = os.path.join(run_dir, "checkpoints")
-    adapters = {t: os.path.join(work, f"adapter-{t}") for t in ("vllm", "hf")}
-    timing = {}
-    for target, path in adapters.items():
-        r = convert_orbax_to_peft(ckpts, path, base=base, target=target, progress=False)
-        timing[f"orbax_to_peft_{target}_s"] = r.seconds
-    merged = os.path.join(work, "merged")
+    train_args = list(s["train"]) + list(args.train_arg)
+    k = min(5, s["n"])  # pass@k needs k samples per problem
+    cfg = build_config("tiny-cpu", None, train_args)  # a bad --train-arg is refused before anything starts
+    train_log = os.path.join(work, "train.log")
+    with open(train_log, "w") as log:
+        training = subprocess.Popen([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--quiet", "--base",
+                                     base, "--data", data, "--out", run_dir, *train_args], stdout=log, stderr=log)
+    cmd = lora_server_command(PROFILES["cpu"], base, rank=max(8, cfg.rank), max_loras=WATCH_KEEP + 3,
+                              dtype="float32", max_model_len=2048)
     t0 = time.perf_counter()
-    merge_lora(base, ckpts, merged, progress=False)
-    timing["merge_s"] = round(time.perf_counter() - t0, 3)
-    model, step, _ = load_tunix_lora_model(base, ckpts, param_dtype=np.float32)
-    vocab = b.cfg.vocab_size
-    tokens = np.random.default_rng(7).integers(3, min(vocab, 4096), size=(2, 24))
-    ref = tunix_logits(model, tokens)
-    report["export"] = {**timing, "step": step, "adapter_bytes": dir_bytes(adapters["vllm"]),
-                        "merged_bytes": dir_bytes(merged),
-                        "peft_vs_tunix_rel_l2": rel_l2(peft_logits(base, adapters["hf"], tokens), ref),
-                        "merged_vs_tunix_rel_l2": rel_l2(hf_logits(merged, tokens), ref)}
+    try:
+        with LocalServer(cmd, os.path.join(out, "server.log")) as server:
+            startup_s = round(time.perf_counter() - t0, 1)
+            print(f"    vLLM up in {startup_s:.0f} s at {server.url}; watching {run_dir}", flush=True)
+            w = Watch(run_dir, base, problems, os.path.join(work, "watch"), samples=s["n"], keep=WATCH_KEEP,
+                      ks=(1, k), max_tokens=s["max_tokens"], parity_tokens=s["greedy"],
+                      say=lambda line: print("    " + line, flush=True))
+            watch(w, server_url=server.url, poll=1.0, finished=lambda: training.poll() is not None)
+            if training.wait() != 0:
+                raise TrainingFailed(f"training exited with {training.returncode}; its log: {train_log}")
+            report.update(_training(run_dir, cfg, out))
+            summary = report.pop("summary")
+            report["watch"] = _watched(w, out, summary["steps"], cfg.checkpoint_every)
 
-    # 5. serve
-    steps("serve", "vLLM (cpu profile) serving the base with the adapter as `ft`")
-    cmd = build_command(PROFILES["cpu"], base, adapters={"ft": adapters["vllm"]}, port=free_port(), dtype="float32",
-                        max_lora_rank=max(8, cfg.rank), max_model_len=2048)
-    t0 = time.perf_counter()
-    with LocalServer(cmd, os.path.join(out, "server.log")) as server:
-        report["serving"] = {"startup_s": round(time.perf_counter() - t0, 1), "command": cmd.shell()}
-        ids = [int(x) for x in np.random.default_rng(3).integers(3, min(vocab, 4096), size=12)]
-        served = served_parity(server.url, "ft", base, adapter=adapters["hf"], ids=ids, tokens=s["greedy"])
-        base_tokens = server_greedy(server.url, cmd.served_name, ids, s["greedy"])
-        report["serving"]["greedy_tokens"] = s["greedy"]
-        report["serving"]["adapter_tokens_equal_hf_peft"] = served.equal
-        report["serving"]["first_divergence"] = served.first_divergence
-        report["serving"]["adapter_changes_tokens"] = served.server != base_tokens
+            # 4. checkpoint -> adapters, merged model; logits
+            steps("export", "last training checkpoint -> PEFT adapters (vllm and hf targets, no extra flags) and "
+                            "merged model")
+            ckpts = os.path.join(run_dir, "checkpoints")
+            adapters = {t: os.path.join(work, f"adapter-{t}") for t in ("vllm", "hf")}
+            timing = {}
+            for target, path in adapters.items():
+                r = convert_orbax_to_peft(ckpts, path, base=base, target=target, progress=False)
+                timing[f"orbax_to_peft_{target}_s"] = r.seconds
+            merged = os.path.join(work, "merged")
+            t0 = time.perf_counter()
+            merge_lora(base, ckpts, merged, progress=False)
+            timing["merge_s"] = round(time.perf_counter() - t0, 3)
+            model, step, _ = load_tunix_lora_model(base, ckpts, param_dtype=np.float32)
+            vocab = b.cfg.vocab_size
+            tokens = np.random.default_rng(7).integers(3, min(vocab, 4096), size=(2, 24))
+            ref = tunix_logits(model, tokens)
+            report["export"] = {**timing, "step": step, "adapter_bytes": dir_bytes(adapters["vllm"]),
+                                "merged_bytes": dir_bytes(merged),
+                                "peft_vs_tunix_rel_l2": rel_l2(peft_logits(base, adapters["hf"], tokens), ref),
+                                "merged_vs_tunix_rel_l2": rel_l2(hf_logits(merged, tokens), ref)}
 
-        # 6. bench
-        steps("bench", f"bench: QPS {s['qps']} x shapes {s['shapes']}, {s['num_prompts']} prompts per point")
-        result = bench_lib.run_sweep(server.url, "ft", qps=bench_lib.parse_qps(s["qps"]),
-                                     shapes=bench_lib.parse_shapes(s["shapes"]), num_prompts=s["num_prompts"],
-                                     usd_per_hour=SERVE_RATE, progress=lambda line: print("    " + line, flush=True))
-        train_cost = TRAIN_RATE * summary["train_seconds"] / 3600
-        bench_lib.write_outputs(result, out, train_cost=train_cost)
-        report["bench"] = {"points": result["points"], "plots": [os.path.basename(p) for p in result["plots"]]}
+            # 5. serve
+            steps("serve", "the same vLLM (cpu profile) serving that adapter as `ft`, loaded at run time")
+            LoraServer(server.url).load("ft", adapters["vllm"])
+            report["serving"] = {"startup_s": startup_s, "command": cmd.shell()}
+            ids = [int(x) for x in np.random.default_rng(3).integers(3, min(vocab, 4096), size=12)]
+            served = served_parity(server.url, "ft", base, adapter=adapters["hf"], ids=ids, tokens=s["greedy"])
+            base_tokens = server_greedy(server.url, cmd.served_name, ids, s["greedy"])
+            report["serving"]["greedy_tokens"] = s["greedy"]
+            report["serving"]["adapter_tokens_equal_hf_peft"] = served.equal
+            report["serving"]["first_divergence"] = served.first_divergence
+            report["serving"]["adapter_changes_tokens"] = served.server != base_tokens
 
-        # 7. eval
-        steps("eval", f"eval generate (n={s['n']}, {s['max_tokens']} tokens) + eval score on "
-                      f"{os.path.basename(os.path.normpath(problems))}")
-        samples = os.path.join(out, "samples.jsonl")
-        if os.path.exists(samples):
-            os.remove(samples)
-        generate(server.url, "ft", problems, samples, n=s["n"], max_tokens=s["max_tokens"], seed=0, progress=False)
-    ev = score(problems, samples, os.path.join(out, "eval.json"), ks=(1, 5), progress=False)
+            # 6. bench
+            steps("bench", f"bench: QPS {s['qps']} x shapes {s['shapes']}, {s['num_prompts']} prompts per point")
+            result = bench_lib.run_sweep(server.url, "ft", qps=bench_lib.parse_qps(s["qps"]),
+                                         shapes=bench_lib.parse_shapes(s["shapes"]), num_prompts=s["num_prompts"],
+                                         usd_per_hour=SERVE_RATE,
+                                         progress=lambda line: print("    " + line, flush=True))
+            train_cost = TRAIN_RATE * summary["train_seconds"] / 3600
+            bench_lib.write_outputs(result, out, train_cost=train_cost)
+            report["bench"] = {"points": result["points"], "plots": [os.path.basename(p) for p in result["plots"]]}
+    finally:
+        if training.poll() is None:  # the server or the watch failed first
+            training.kill()
+            training.wait()
+
+    # 7. eval: the watch scored the last checkpoint; the harness is checked on the reference solutions
+    steps("eval", f"verilog-eval of step {step} (scored by the watch: n={s['n']}, {s['max_tokens']} tokens) and "
+                  f"the harness on the references of {os.path.basename(os.path.normpath(problems))}")
+    last = next(r for r in report["watch"]["rows"] if r["step"] == step)
+    shutil.copyfile(os.path.join(w.out, "samples", f"step-{step}.jsonl"), os.path.join(out, "samples.jsonl"))
+    shutil.copyfile(os.path.join(w.out, "scores", f"step-{step}.json"), os.path.join(out, "eval.json"))
+    with open(os.path.join(out, "eval.json")) as f:
+        ev = json.load(f)
     refs = os.path.join(work, "references.jsonl")
     with open(refs, "w") as f:
         for task, paths in list_problems(problems, need_tests=True).items():
@@ -222,8 +289,9 @@ def run(args) -> dict:
                 f.write(json.dumps({"task_id": task, "completion": r.read().replace("module RefModule",
                                                                                    "module TopModule")}) + "\n")
     ref_eval = score(problems, refs, os.path.join(work, "references-eval.json"), ks=(1,), progress=False)
-    report["eval"] = {"problems": ev["num_problems"], "samples": ev["num_samples"], "pass@1": ev["pass@1"],
-                      "pass@5": ev["pass@5"], "reasons": ev["reasons"], "references_pass@1": ref_eval["pass@1"]}
+    report["eval"] = {"step": step, "problems": ev["num_problems"], "samples": ev["num_samples"],
+                      "k": k, "pass@1": last["pass@1"], f"pass@{k}": last[f"pass@{k}"], "reasons": ev["reasons"],
+                      "references_pass@1": ref_eval["pass@1"]}
 
     # 8. cost + report
     steps("report", "cost model and report")
@@ -238,6 +306,10 @@ def run(args) -> dict:
         "round trip bit-identical": same.identical,
         f"transformers vs Tunix rel L2 <= {TOL:g}": parity.rel_l2 <= TOL,
         "training loss fell": len(losses) > 1 and np.mean(losses[-2:]) < np.mean(losses[:2]),
+        "watch: every checkpoint scored as it landed": [r["step"] for r in report["watch"]["rows"]]
+        == report["watch"]["saved_steps"],
+        "watch: served adapters' tokens == transformers + PEFT": all(r["served_parity"] == "equal"
+                                                                     for r in report["watch"]["rows"]),
         f"PEFT vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["peft_vs_tunix_rel_l2"] <= TOL,
         f"merged vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["merged_vs_tunix_rel_l2"] <= TOL,
         "vLLM adapter tokens == transformers + PEFT": report["serving"]["adapter_tokens_equal_hf_peft"],
@@ -258,6 +330,7 @@ def render(r: dict) -> str:
     m, c, p, t, e, sv, ev, cost = (r["model"], r["conversion"], r["parity"], r["training"], r["export"], r["serving"],
                                    r["eval"], r["cost"])
     from serving.bench import table
+    pk = f"pass@{ev['k']}"
     from serving.cost import format_tco
 
     kinds = ", ".join(f"{n} {kind}" for kind, n in m["layer_kinds"].items())
@@ -304,8 +377,19 @@ def render(r: dict) -> str:
         table({"points": r["bench"]["points"]}), "```", "",
         *[f"![{name}]({name})" for name in r["bench"]["plots"]], "",
         "## verilog-eval (bundled problems)" if r["problems"].endswith("eval_problems") else "## verilog-eval", "",
-        f"- model `ft`: pass@1 {_f(ev['pass@1'])}, pass@5 {_f(ev['pass@5'])} over {ev['problems']} problems, "
-        f"{ev['samples']} samples; outcomes: {', '.join(f'{k} {v}' for k, v in sorted(ev['reasons'].items()))}",
+        f"Every checkpoint, scored as it landed (`python -m serving watch` beside the training run, one vLLM "
+        f"start, each adapter loaded at run time; checkpoint every {t['checkpoint_every']} steps):", "",
+        f"| step | training loss | pass@1 | pass@{ev['k']} | served vs transformers + PEFT | s from commit to score |",
+        "|---|---|---|---|---|---|",
+        *[f"| {w['step']} | {_f(w['loss'], '.4f')} | {_f(w['pass@1'])} | {_f(w[pk])} | "
+          f"{w['served_parity']} | "
+          f"{w['seconds_commit_to_score']:.0f} |" for w in r["watch"]["rows"]], "",
+        f"Best step: **{r['watch']['best']['step']}** (pass@1 {_f(r['watch']['best']['pass@1'])}; ties go to the "
+        "lower training loss).", "",
+        "![pass@k and loss vs step](watch.png)", "",
+        f"- last checkpoint (step {ev['step']}, served as `ft`): pass@1 {_f(ev['pass@1'])}, {pk} {_f(ev[pk])} "
+        f"over {ev['problems']} problems, {ev['samples']} samples;"
+        f" outcomes: {', '.join(f'{k} {v}' for k, v in sorted(ev['reasons'].items()))}",
         f"- harness check, reference solutions as samples: pass@1 {_f(ev['references_pass@1'])}", "",
         "## Cost (paper rates applied to this run's figures)", "",
         f"- training: {cost['train_seconds']:.1f} s at ${cost['train_rate']:.2f}/h (TPU v5p-8) = "

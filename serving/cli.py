@@ -65,15 +65,17 @@ def _check_adapters(args, adapters: dict[str, str], local_model: bool, profile) 
     return rank
 
 
-def _length_and_dtype(args, profile, local_model: bool) -> tuple[int, str]:
+def _length_and_dtype(args, profile, local_model: bool, model: str, stored_dtype: bool = False) -> tuple[int, str]:
     """The max model length to pass (the profile's, capped at the model's own limit) and the
-    --dtype, with one line each on what vLLM will do."""
+    --dtype (``stored_dtype``: by default the checkpoint's own), with one line each on what vLLM will do."""
     from serving.vllm_facts import MANTISSA_BITS, compute_dtype, model_limits
 
     dtype = args.dtype or profile.dtype
     if not local_model:
         return args.max_model_len or profile.max_model_len, dtype
-    limits = model_limits(args.model)
+    limits = model_limits(model)
+    if stored_dtype and not args.dtype:
+        dtype = limits.weights_dtype or limits.config_dtype or dtype
     limit, where = limits.max_len, limits.max_len_from
     if args.max_model_len:
         if limit is not None and args.max_model_len > limit:
@@ -134,7 +136,7 @@ def cmd_serve(args) -> int:
     if local_model:
         _check_quantized(args, profile)
     rank = _check_adapters(args, adapters, local_model, profile)
-    max_model_len, dtype = _length_and_dtype(args, profile, local_model)
+    max_model_len, dtype = _length_and_dtype(args, profile, local_model, args.model)
     cmd = build_command(profile, args.model, adapters=adapters, port=args.port, host=args.host,
                         served_name=args.name, max_lora_rank=rank, max_model_len=max_model_len,
                         kv_cache_gib=args.kv_cache_gib, dtype=dtype, extra_args=args.vllm_arg)
@@ -234,22 +236,22 @@ def cmd_watch(args) -> int:
         raise InputNotFoundError(f"--problems {args.problems}: no such directory")
     if args.keep < 1:
         raise ConfigError(f"--keep {args.keep}: keep at least 1 adapter loaded")
-    ks = tuple(int(k) for k in args.k.split(","))
+    try:
+        ks = tuple(int(k) for k in args.k.split(","))
+    except ValueError:
+        raise ConfigError(f"--k {args.k}: give whole numbers, comma-separated (e.g. 1,5)") from None
+    if any(k < 1 or k > args.samples for k in ks):
+        raise ConfigError(f"--k {args.k}: each k must be 1..--samples ({args.samples}); pass@k needs k samples")
     w = Watch(args.run_dir, args.base, args.problems, args.out, samples=args.samples, keep=args.keep, ks=ks,
               max_tokens=args.max_tokens, say=lambda line: print(line, flush=True))
     profile = PROFILES[args.profile]
     if not args.server and not profile.local:
         raise ConfigError(f"profile {profile.name} runs on its own machine: start it there with runtime LoRA "
                           "updating and pass its URL with --server")
-    if args.dtype:
-        dtype = args.dtype
-    else:  # the checkpoint's own dtype: the served-parity probe compares with transformers in float32
-        from serving.vllm_facts import model_limits
-
-        limits = model_limits(args.base)
-        dtype = limits.weights_dtype or limits.config_dtype or profile.dtype
-    n = watch(w, server_url=args.server, profile=profile, once=args.once, poll=args.poll,
-              dtype=dtype, max_model_len=args.max_model_len or profile.max_model_len)
+    # in the checkpoint's own dtype by default: the served-parity probe compares with transformers in float32
+    max_model_len, dtype = _length_and_dtype(args, profile, not args.server, args.base, stored_dtype=True)
+    n = watch(w, server_url=args.server, profile=profile, once=args.once, poll=args.poll, dtype=dtype,
+              max_model_len=max_model_len)
     print(f"watch: {n} checkpoint(s) scored; rows in {os.path.join(args.out, 'watch.jsonl')}")
     return 0
 
@@ -363,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     wa.add_argument("--k", default="1,5", help="pass@k reported")
     wa.add_argument("--keep", type=int, default=2, help="adapters kept loaded (the newest; the best one stays too)")
     wa.add_argument("--max-tokens", type=int, default=1024)
-    wa.add_argument("--max-model-len", type=int)
-    wa.add_argument("--dtype", help="dtype vLLM computes in (default: the profile's)")
+    wa.add_argument("--max-model-len", type=int, help="(default: the profile's, capped at the model's limit)")
+    wa.add_argument("--dtype", help="dtype vLLM computes in (default: the checkpoint's)")
     wa.add_argument("--poll", type=float, default=10.0, help="seconds between looks at the run")
     wa.add_argument("--once", action="store_true", help="score the checkpoints there now and exit")
     wa.add_argument("--out", required=True, help="directory of watch.jsonl, best.json, watch.png and adapters")

@@ -17,19 +17,23 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from ckptbridge.errors import InputNotFoundError
+from ckptbridge.io import storage
 from serving.server import ServerError
 
 ROWS = "watch.jsonl"
 BEST = "best.json"
 PLOT = "watch.png"
-# Orbax's CheckpointManager writes a step into <step>.orbax-checkpoint-tmp-<n> and renames it to <step>
-# once every item is written; the step's _CHECKPOINT_METADATA is there from then on (on Cloud Storage, in
-# place, with commit_success.txt last)
-COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
+# Orbax's CheckpointManager finalizes a step, once every item is written, by setting
+# commit_timestamp_nsecs in its _CHECKPOINT_METADATA and writing commit_success.txt; on a local disk
+# it then renames <step>.orbax-checkpoint-tmp-<n> to <step>, on Cloud Storage (and GCSFuse) the step is
+# written in place, its metadata there from the start: either marker, not the directory, says committed
+COMMIT_FILE = "commit_success.txt"
+METADATA = "_CHECKPOINT_METADATA"
 ITEM = "model_params"
+LIVE = "live"  # the lint's check that an adapter changes something
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,53 +46,65 @@ class Checkpoint:
 
 
 def checkpoints_dir(run_dir: str) -> str:
-    """The checkpoint-manager directory of a training run (``RUN_DIR/checkpoints``); an
-    InputNotFoundError (exit 3) for a directory that is not a training run."""
-    if not os.path.isdir(run_dir):
+    """The checkpoint-manager directory of a training run (``RUN_DIR/checkpoints``, local or
+    ``gs://``); an InputNotFoundError (exit 3) for a directory that is not a training run."""
+    if not storage.isdir(run_dir):
         raise InputNotFoundError(f"{run_dir}: no such directory; give the RUN_DIR of `python -m training`")
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isfile(os.path.join(run_dir, "config.json")) and not os.path.isdir(root):
+    root = storage.join(run_dir, "checkpoints")
+    if not storage.isfile(storage.join(run_dir, "config.json")) and not storage.isdir(root):
         raise InputNotFoundError(f"{run_dir}: not a training run (no config.json and no checkpoints/); give the "
                                  "RUN_DIR of `python -m training`")
     return root
 
 
-def committed(root: str) -> list[Checkpoint]:
-    """The run's committed checkpoints, by step: step directories (not Orbax's temporary ones)
-    with a commit file and the LoRA item."""
-    if not os.path.isdir(root):
+def _commit_time(step_dir: str) -> float | None:
+    """When the step was committed (time.time() scale), None while it is not."""
+    try:
+        meta = json.loads(storage.read_bytes(storage.join(step_dir, METADATA)))
+    except (OSError, ValueError):
+        meta = {}
+    stamp = meta.get("commit_timestamp_nsecs") if isinstance(meta, dict) else None
+    if isinstance(stamp, int) and stamp > 0:
+        return stamp / 1e9
+    if storage.isfile(storage.join(step_dir, COMMIT_FILE)):
+        return time.time() if storage.is_remote(step_dir) else os.stat(storage.join(step_dir, COMMIT_FILE)).st_mtime
+    return None
+
+
+def committed(root: str, skip: frozenset[int] | set[int] = frozenset()) -> list[Checkpoint]:
+    """The run's committed checkpoints with the LoRA item, by step (steps in ``skip`` not looked at);
+    Orbax's temporary directories and steps still being written are left out."""
+    try:
+        names = storage.listdir(root)
+    except FileNotFoundError:
         return []
     found = []
-    for name in os.listdir(root):
-        if not name.isdigit():
+    for name in names:
+        if not name.isdigit() or int(name) in skip:
             continue
-        step = os.path.join(root, name)
-        for marker in COMMIT_FILES:
-            try:
-                when = os.stat(os.path.join(step, marker)).st_mtime
-            except FileNotFoundError:  # not this one, not committed yet, or removed by the run's retention
-                continue
-            if os.path.isdir(os.path.join(step, ITEM)):
+        step = storage.join(root, name)
+        try:
+            when = _commit_time(step)
+            if when is not None and storage.isdir(storage.join(step, ITEM)):
                 found.append(Checkpoint(int(name), step, when))
-            break
+        except FileNotFoundError:  # removed by the run's retention meanwhile
+            continue
     return sorted(found, key=lambda c: c.step)
 
 
 def loss_at(metrics_path: str, step: int) -> float | None:
     """The training loss the run logged at ``step`` (whole lines of metrics.jsonl only), None if none."""
     try:
-        with open(metrics_path) as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break  # a line being written
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if record.get("step") == step and isinstance(record.get("loss"), (int, float)):
-                    return float(record["loss"])
-    except FileNotFoundError:
+        text = storage.read_bytes(metrics_path).decode()
+    except (FileNotFoundError, UnicodeDecodeError):
         return None
+    for line in text[: text.rfind("\n") + 1].splitlines():  # not a line being written
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step") == step and isinstance(record.get("loss"), (int, float)):
+            return float(record["loss"])
     return None
 
 
@@ -188,11 +204,9 @@ def plot(out: str, rows: list[dict], ks: tuple[int, ...]) -> str | None:
     return path
 
 
-def pending(root: str, done: set[int], say: Callable[[str], None]) -> Iterator[Checkpoint]:
+def pending(root: str, done: set[int]) -> list[Checkpoint]:
     """Committed checkpoints without a row, oldest first."""
-    for ckpt in committed(root):
-        if ckpt.step not in done:
-            yield ckpt
+    return committed(root, skip=done)
 
 
 class ServerGone(ServerError):
@@ -256,7 +270,7 @@ class Watch:
 
     @property
     def root(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
+        return storage.join(self.run_dir, "checkpoints")
 
     def adapter_dir(self, step: int) -> str:
         return os.path.join(self.out, "adapters", f"step-{step}")
@@ -272,23 +286,26 @@ class Watch:
         try:
             convert_orbax_to_peft(ckpt.path, dst, base=self.base, target="vllm", overwrite=True, progress=False)
         except (CkptBridgeError, OSError):
-            if not os.path.isdir(ckpt.path):
+            if not storage.isdir(ckpt.path):
                 self.say(f"watch: step {ckpt.step}: removed by the run's retention before it was exported; skipped")
                 return None
             raise
         return dst
 
-    def lint(self, adapter: str) -> int:
-        """Lint the adapter for vLLM; the --max-lora-rank it needs."""
+    def lint(self, adapter: str) -> tuple[int, bool]:
+        """Lint the adapter for vLLM: the --max-lora-rank it needs, and whether it changes the model
+        (a checkpoint saved before the learning rate left zero, in warmup, does not: it is scored as
+        the base it equals, with a line saying so)."""
         from ckptbridge.adapter_check import lint_adapter
         from ckptbridge.errors import MismatchError
 
         lint = lint_adapter(adapter, self.base, target="vllm")
-        if lint.errors:
-            raise MismatchError(f"{adapter}: {lint.errors[0].message}")
-        return lint.max_lora_rank
+        errors = [f for f in lint.errors if f.check != LIVE]
+        if errors:
+            raise MismatchError(f"{adapter}: {errors[0].message}")
+        return lint.max_lora_rank, len(errors) == len(lint.errors)
 
-    def score(self, server: LoraServer, ckpt: Checkpoint, adapter: str) -> dict:
+    def score(self, server: LoraServer, ckpt: Checkpoint, adapter: str, live: bool = True) -> dict:
         """Load, probe, generate and score one checkpoint; its row."""
         from ckptbridge.verify import served_parity
         from serving.evaluate import generate, score
@@ -304,8 +321,8 @@ class Watch:
         result_path = os.path.join(self.out, "scores", f"{name}.json")
         os.makedirs(os.path.dirname(result_path), exist_ok=True)
         result = score(self.problems, samples, result_path, ks=self.ks, progress=False)
-        row = {"step": ckpt.step, "loss": loss_at(os.path.join(self.run_dir, "metrics.jsonl"), ckpt.step),
-               "adapter": adapter, "served_parity": "equal" if parity.equal else
+        row = {"step": ckpt.step, "loss": loss_at(storage.join(self.run_dir, "metrics.jsonl"), ckpt.step),
+               "adapter": adapter, "changes_model": live, "served_parity": "equal" if parity.equal else
                f"differs at token {parity.first_divergence}",
                "seconds_commit_to_score": round(time.time() - ckpt.committed, 1)}
         for k in self.ks:
@@ -334,12 +351,15 @@ class Watch:
     def pass_once(self, server: LoraServer, rows: Rows) -> int:
         """Score every committed checkpoint without a row; how many were scored."""
         n = 0
-        for ckpt in pending(self.root, rows.steps, self.say):
+        for ckpt in pending(self.root, rows.steps):
             adapter = self.export(ckpt)
             if adapter is None:
                 continue
-            self.lint(adapter)
-            row = self.score(server, ckpt, adapter)
+            _, live = self.lint(adapter)
+            if not live:
+                self.say(f"watch: step {ckpt.step}: the adapter changes nothing yet (every module's lora_B or lora_A "
+                         "is zero: a checkpoint saved before the learning rate left zero); scored as the base")
+            row = self.score(server, ckpt, adapter, live)
             rows.append(row)
             self.say(self.line(row))
             write_best(self.out, rows.rows)
@@ -351,7 +371,7 @@ class Watch:
 
 def run_finished(run_dir: str) -> bool:
     """The training run wrote its summary (``run.json``): no more checkpoints will come."""
-    return os.path.isfile(os.path.join(run_dir, "run.json"))
+    return storage.isfile(storage.join(run_dir, "run.json"))
 
 
 SERVER = "server.json"  # the server this watch started: {"pid", "url", "base"}; gone once it is stopped
@@ -398,14 +418,24 @@ def adopt_server(out: str, base: str) -> OwnServer | None:
     return OwnServer(out, record["pid"], record["url"])
 
 
+def lora_server_command(profile, base: str, *, rank: int, max_loras: int, port: int | None = None,
+                        dtype: str | None = None, max_model_len: int | None = None):
+    """The command of a vLLM on ``base`` that takes LoRA adapters of rank <= ``rank`` at run time."""
+    from serving.profiles import build_command
+    from serving.server import free_port
+
+    cmd = build_command(profile, base, port=port or free_port(), max_model_len=max_model_len, dtype=dtype,
+                        extra_args=["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(max_loras)])
+    cmd.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return cmd
+
+
 def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, max_model_len: int) -> OwnServer:
     """A local vLLM on the base that takes adapters at run time; recorded in OUT/server.json."""
-    from serving.profiles import build_command
-    from serving.server import LocalServer, free_port
+    from serving.server import LocalServer
 
-    cmd = build_command(profile, w.base, port=port or free_port(), max_model_len=max_model_len, dtype=dtype,
-                        extra_args=["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(w.keep + 2)])
-    cmd.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    cmd = lora_server_command(profile, w.base, rank=rank, max_loras=w.keep + 2, port=port, dtype=dtype,
+                              max_model_len=max_model_len)
     local = LocalServer(cmd, os.path.join(w.out, "server.log"))
     local.__enter__()
     tmp = os.path.join(w.out, SERVER + ".tmp")
@@ -415,10 +445,14 @@ def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, 
     return OwnServer(w.out, local.proc.pid, local.url, local)
 
 
-def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float, port: int | None = None,
-          dtype: str = "auto", max_model_len: int = 4096) -> int:
+def watch(w: Watch, *, server_url: str | None, profile=None, once: bool = False, poll: float = 10.0,
+          port: int | None = None, dtype: str = "auto", max_model_len: int = 4096,
+          finished: Callable[[], bool] | None = None) -> int:
     """Follow the run until it finished and every checkpoint has a row (``once``: score what is there
-    and return). Returns how many checkpoints were scored by this call."""
+    and return). ``finished``: whether the run wrote its last checkpoint (default: its ``run.json``
+    is there; a caller that started the training process can say when it exited). Returns how many
+    checkpoints were scored by this call."""
+    finished = finished or (lambda: run_finished(w.run_dir))
     os.makedirs(w.out, exist_ok=True)
     rows = Rows(w.out)
     if rows.rows:
@@ -431,12 +465,13 @@ def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float,
     scored = 0
     try:
         while True:
-            finished = run_finished(w.run_dir)  # read before listing: a last checkpoint is then listed too
-            todo = list(pending(w.root, rows.steps, w.say))
+            done = finished()  # read before listing: a last checkpoint is then listed too
+            todo = pending(w.root, rows.steps)
             if todo and server is None:
                 first = w.export(todo[0])
                 if first is not None:
-                    own = start_server(w, profile, w.lint(first), port=port, dtype=dtype, max_model_len=max_model_len)
+                    own = start_server(w, profile, w.lint(first)[0], port=port, dtype=dtype,
+                                       max_model_len=max_model_len)
                     server = LoraServer(own.url)
                     w.say(f"watch: vLLM serving {w.base} at {own.url} (log: {os.path.join(w.out, 'server.log')})")
             if todo and server is not None:
@@ -451,7 +486,7 @@ def watch(w: Watch, *, server_url: str | None, profile, once: bool, poll: float,
                         raise ServerGone(f"the server at {server.url} went away ({type(e).__name__}); the "
                                          f"{len(rows.rows)} row(s) so far are in {rows.path}") from None
                     raise
-            if once or (finished and not list(pending(w.root, rows.steps, w.say))):
+            if once or (done and not pending(w.root, rows.steps)):
                 return scored
             time.sleep(poll)
     finally:

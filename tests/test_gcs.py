@@ -160,3 +160,28 @@ def test_a_failed_write_leaves_nothing(gcs, made, monkeypatch):
     convert_safetensors_to_orbax(made["base"], "gs://bkt/failed/orbax", progress=False, overwrite=True)
     gcs.invalidate_cache()
     assert not [p for p in gcs.ls("bkt/failed") if "ckptbridge-tmp" in p] and gcs.exists("bkt/failed/orbax/_METADATA")
+
+
+def test_watch_follows_a_run_in_a_bucket(gcs, made, tmp_path):
+    """serving watch on a RUN_DIR in gs://: committed steps found (one being written in place is not),
+    the loss read from there, and the export the same bytes as from the local copy."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from serving.watch import Watch, checkpoints_dir, committed, loss_at
+
+    gcs.pipe("bkt/run/config.json", b"{}")
+    gcs.pipe("bkt/run/metrics.jsonl", b'{"step": 30, "loss": 1.25}\n{"step": 31, "lo')
+    gcs.pipe("bkt/run/checkpoints/40/_CHECKPOINT_METADATA", json.dumps({"init_timestamp_nsecs": 1}).encode())
+    gcs.pipe("bkt/run/checkpoints/40/model_params/_METADATA", b"{}")
+    root = checkpoints_dir("gs://bkt/run")
+    found = committed(root)
+    assert [c.step for c in found] == [30] and found[0].committed > 0
+    assert loss_at("gs://bkt/run/metrics.jsonl", 30) == 1.25
+    w = Watch("gs://bkt/run", made["base"], str(tmp_path), str(tmp_path / "out"))
+    remote = w.export(found[0])
+    local = str(tmp_path / "local")
+    convert_orbax_to_peft(made["local"], local, base=made["base"], target="vllm", progress=False)
+    ta, tb = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (local, remote))
+    assert set(ta) == set(tb) and all(ta[k].tobytes() == tb[k].tobytes() for k in ta)

@@ -27,11 +27,22 @@ def test_main_job_smallest_setting(tmp_path):
     assert report["export"]["peft_vs_tunix_rel_l2"] <= 5e-5 and report["export"]["merged_vs_tunix_rel_l2"] <= 5e-5
     assert report["serving"]["adapter_tokens_equal_hf_peft"] and report["serving"]["adapter_changes_tokens"]
     assert all(p["failed"] == 0 and p["output_tok_s"] > 0 for p in report["bench"]["points"])
-    assert report["eval"]["samples"] == 2 * report["eval"]["problems"] and report["eval"]["references_pass@1"] == 1.0
+    assert report["eval"]["samples"] == 2 * report["eval"]["problems"] and report["eval"]["k"] == 2
+    assert report["eval"]["references_pass@1"] == 1.0
+    # evaluation through the watch: every checkpoint of the background run scored, on the one server
+    w = report["watch"]
+    assert len(w["saved_steps"]) >= 2 and [r["step"] for r in w["rows"]] == w["saved_steps"]
+    assert w["saved_steps"][-1] == t["steps"] == report["eval"]["step"] == report["export"]["step"]
+    for r in w["rows"]:
+        assert r["served_parity"] == "equal" and 0 <= r["pass@1"] <= r["pass@2"] <= 1 and r["loss"] > 0, r
+    assert w["best"]["step"] in w["saved_steps"] and w["rows"][-1]["pass@1"] == report["eval"]["pass@1"]
+    assert (out / "server.log").read_text().count("non-default args") == 1
     assert [round(r["hours"]) for r in report["cost"]["tco"]] == [1, 8, 24]
     md = (out / "report.md").read_text()
-    for text in ("Result: **PASS**", "loss.png", "s compiling; steady", "throughput_vs_qps.png", "pass@1", "total $"):
+    for text in ("Result: **PASS**", "loss.png", "s compiling; steady", "throughput_vs_qps.png", "pass@1", "total $",
+                 "watch.png", f"Best step: **{w['best']['step']}**"):
         assert text in md, text
-    for name in ("loss.png", "throughput_vs_qps.png", "ttft_vs_qps.png", "bench.json", "eval.json", "samples.jsonl"):
+    for name in ("loss.png", "throughput_vs_qps.png", "ttft_vs_qps.png", "bench.json", "eval.json", "samples.jsonl",
+                 "watch.png", "best.json"):
         assert (out / name).stat().st_size > 0, name
-    assert "[8/8]" in proc.stdout  # progress is visible
+    assert "[8/8]" in proc.stdout and f"watch: step {t['steps']}: loss" in proc.stdout  # progress is visible

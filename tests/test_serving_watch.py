@@ -8,22 +8,42 @@ import pytest
 from serving.watch import Rows, best, committed, loss_at, pending
 
 
-def _step(root, step, *, commit=True, tmp=False):
-    name = f"{step}.orbax-checkpoint-tmp-1234" if tmp else str(step)
+def _step(root, step, *, commit="rename"):
+    """A step as Orbax leaves it: ``rename`` committed on a local disk (renamed from its temporary
+    directory, commit_timestamp_nsecs set), ``file`` committed in place (commit_success.txt only),
+    ``tmp`` still in its temporary directory, ``inplace`` still being written in place (Cloud
+    Storage, GCSFuse: metadata there from the start, no commit stamp yet)."""
+    name = f"{step}.orbax-checkpoint-tmp-1234" if commit == "tmp" else str(step)
     os.makedirs(os.path.join(root, name, "model_params"))
-    if commit:
-        open(os.path.join(root, name, "_CHECKPOINT_METADATA"), "w").close()
+    meta = {"item_handlers": {}, "init_timestamp_nsecs": 1}
+    if commit == "rename":
+        meta["commit_timestamp_nsecs"] = 1_700_000_000_000_000_000 + step
+    with open(os.path.join(root, name, "_CHECKPOINT_METADATA"), "w") as f:
+        json.dump(meta, f)
+    if commit == "file":
+        open(os.path.join(root, name, "commit_success.txt"), "w").close()
 
 
 def test_only_committed_checkpoints_are_seen(tmp_path):
     root = str(tmp_path / "checkpoints")
     _step(root, 2)
-    _step(root, 10)
-    _step(root, 4, commit=False)  # arrays still being written
-    _step(root, 6, tmp=True)  # Orbax's temporary directory, renamed when done
+    _step(root, 10, commit="file")
+    _step(root, 4, commit="inplace")
+    _step(root, 6, commit="tmp")
     assert [c.step for c in committed(root)] == [2, 10]
-    assert [c.step for c in pending(root, {2}, print)] == [10]
+    assert committed(root)[0].committed == 1_700_000_000.0
+    assert [c.step for c in pending(root, {2})] == [10]
     assert committed(str(tmp_path / "none")) == []
+
+
+def test_a_checkpoint_removed_before_export_is_skipped_in_one_line(tmp_path):
+    from serving.watch import Checkpoint, Watch
+
+    lines = []
+    w = Watch(str(tmp_path / "run"), str(tmp_path / "base"), str(tmp_path), str(tmp_path / "out"), say=lines.append)
+    gone = Checkpoint(7, str(tmp_path / "run" / "checkpoints" / "7"), 0.0)
+    assert w.export(gone) is None
+    assert lines == ["watch: step 7: removed by the run's retention before it was exported; skipped"]
 
 
 def test_rows_survive_a_kill_mid_line_and_refuse_duplicates(tmp_path):
@@ -89,7 +109,7 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
     with open(tmp_path / "train.log", "w") as log:
         args = ["--preset", "tiny-cpu", "--quiet", "--base", base, "--data", SAMPLE, "--out", run_dir, "--max-steps",
                 "4", "grad_accum=1", "micro_batch=1", "max_length=256", "checkpoint_every=1", "keep_checkpoints=4",
-                "learning_rate=5e-3"]
+                "learning_rate=5e-3", "warmup_steps=2"]
         training = subprocess.Popen([sys.executable, "-m", "training", *args], cwd=ROOT, env=env, stdout=log,
                                     stderr=log)
     watch = ["python", "-m", "serving", "watch", run_dir, "--base", base, "--problems", problems, "--out", out,
@@ -100,8 +120,10 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
         return subprocess.Popen(watch, cwd=ROOT, env=env, stdout=open(tmp_path / "watch.out", "a"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
-    first = start()
     deadline = time.time() + 900
+    while not os.path.exists(os.path.join(run_dir, "config.json")) and training.poll() is None:
+        time.sleep(0.2)  # the run is there (a RUN_DIR that is not one is refused)
+    first = start()
     while time.time() < deadline and len(_rows(out)) < 2 and first.poll() is None:
         time.sleep(0.2)
     first.send_signal(signal.SIGKILL)  # after its second row
@@ -114,6 +136,8 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each once, in order
     assert rows[: len(before)] == before  # not scored again
+    # warmup: the first update has learning rate 0, so step 1's adapter is the base (scored, with a line)
+    assert [r["changes_model"] for r in rows] == [False, True, True, True]
     for r in rows:
         assert r["served_parity"] == "equal", r
         assert 0 <= r["pass@1"] <= r["pass@2"] <= 1 and r["loss"] > 0 and r["seconds_commit_to_score"] >= 0
@@ -126,6 +150,7 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
     assert not os.path.exists(os.path.join(out, "server.json"))  # stopped at the end
     text = open(tmp_path / "watch.out").read()
     assert "using the server the last watch left running" in text and "step 4: loss" in text
+    assert "step 1: the adapter changes nothing yet" in text
 
     # --once on the finished run scores only what has no row
     with open(os.path.join(out, "watch.jsonl"), "w") as f:
