@@ -119,7 +119,7 @@ def _check_quantized(args, profile) -> None:
 
 
 def cmd_serve(args) -> int:
-    from serving.profiles import PROFILES, build_command
+    from serving.profiles import PROFILES, RUNTIME_LORA_ENV, build_command
     from serving.server import LocalServer, serve_forever
 
     profile = PROFILES[args.profile]
@@ -129,6 +129,12 @@ def cmd_serve(args) -> int:
         raise InputNotFoundError(f"{args.model}: no such model directory")
     if local_model and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise InputNotFoundError(f"{args.model}: no config.json; not a Hugging Face model directory")
+    if args.runtime_lora and not profile.lora:
+        raise ConfigError(f"--runtime-lora: profile {profile.name} serves no LoRA adapters (vLLM's TPU model path "
+                          "has none); use a profile that does (cpu, gpu-h100x2)")
+    if args.runtime_lora and not adapters and not args.max_lora_rank:
+        raise ConfigError("--runtime-lora: pass --max-lora-rank (the rank of the adapters to come, e.g. the training "
+                          "run's)")
     if adapters and not profile.lora:
         name, path = next(iter(adapters.items()))
         raise ConfigError(f"profile {profile.name} cannot serve LoRA adapters (vLLM's TPU model path has none); "
@@ -137,9 +143,14 @@ def cmd_serve(args) -> int:
         _check_quantized(args, profile)
     rank = _check_adapters(args, adapters, local_model, profile)
     max_model_len, dtype = _length_and_dtype(args, profile, local_model, args.model)
+    extra = list(args.vllm_arg)
+    if args.runtime_lora and not adapters:
+        extra = ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank), *extra]
     cmd = build_command(profile, args.model, adapters=adapters, port=args.port, host=args.host,
                         served_name=args.name, max_lora_rank=rank, max_model_len=max_model_len,
-                        kv_cache_gib=args.kv_cache_gib, dtype=dtype, extra_args=args.vllm_arg)
+                        kv_cache_gib=args.kv_cache_gib, dtype=dtype, extra_args=extra)
+    if args.runtime_lora:
+        cmd.env[RUNTIME_LORA_ENV] = "True"
     if args.dry_run or not profile.local:
         print(cmd.shell())
         if not args.dry_run:
@@ -243,11 +254,17 @@ def cmd_watch(args) -> int:
     if any(k < 1 or k > args.samples for k in ks):
         raise ConfigError(f"--k {args.k}: each k must be 1..--samples ({args.samples}); pass@k needs k samples")
     w = Watch(args.run_dir, args.base, args.problems, args.out, samples=args.samples, keep=args.keep, ks=ks,
-              max_tokens=args.max_tokens, say=lambda line: print(line, flush=True))
+              max_tokens=args.max_tokens, parity_tokens=args.parity_tokens, say=lambda line: print(line, flush=True))
     profile = PROFILES[args.profile]
-    if not args.server and not profile.local:
-        raise ConfigError(f"profile {profile.name} runs on its own machine: start it there with runtime LoRA "
-                          "updating and pass its URL with --server")
+    if not args.server and not profile.lora:
+        raise ConfigError(f"profile {profile.name} serves no LoRA adapters (vLLM's TPU model path has none): watch "
+                          "needs a server that loads them at run time (--profile cpu here, or --server URL of one "
+                          "started with `python -m serving serve --runtime-lora`)")
+    if not args.server:
+        if not profile.local:
+            raise ConfigError(f"profile {profile.name} runs on its own machine: start it there with `python -m serving "
+                              f"serve --profile {profile.name} --model {args.base} --runtime-lora --max-lora-rank "
+                              "RANK` and pass its URL with --server")
     # in the checkpoint's own dtype by default: the served-parity probe compares with transformers in float32
     max_model_len, dtype = _length_and_dtype(args, profile, not args.server, args.base, stored_dtype=True)
     n = watch(w, server_url=args.server, profile=profile, once=args.once, poll=args.poll, dtype=dtype,
@@ -294,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-adapter-check", action="store_true",
                    help="serve adapters even when ckptbridge finds vLLM would serve them wrong (for comparisons); "
                    "the findings are printed")
+    s.add_argument("--runtime-lora", action="store_true",
+                   help="let clients load and unload adapters while it runs (/v1/load_lora_adapter; what `watch "
+                   "--server` needs); with no --adapter, give --max-lora-rank")
     s.add_argument("--dry-run", action="store_true", help="print the command and exit")
     s.set_defaults(func=cmd_serve)
 
@@ -358,13 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     wa.add_argument("run_dir", metavar="RUN_DIR", help="the training run's directory (`python -m training --out`)")
     wa.add_argument("--base", required=True, help="the HF base model the run fine-tunes")
     wa.add_argument("--problems", default=BUNDLED_PROBLEMS, help="verilog-eval problems (default: the bundled ones)")
-    wa.add_argument("--server", metavar="URL", help="a running vLLM started with --enable-lora and "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (default: start one with --profile)")
+    wa.add_argument("--server", metavar="URL", help="a running vLLM that takes adapters at run time (`serve "
+                    "--runtime-lora`; default: start one here with --profile)")
     wa.add_argument("--profile", default="cpu", choices=sorted(PROFILES), help="profile of the server started here")
     wa.add_argument("--samples", type=int, default=5, help="samples per problem")
     wa.add_argument("--k", default="1,5", help="pass@k reported")
     wa.add_argument("--keep", type=int, default=2, help="adapters kept loaded (the newest; the best one stays too)")
     wa.add_argument("--max-tokens", type=int, default=1024)
+    wa.add_argument("--parity-tokens", type=int, default=8,
+                    help="greedy tokens compared with transformers + PEFT per checkpoint, which runs the base in "
+                    "float32 here (0: no probe; a 31B needs about 4 bytes a parameter of memory for it)")
     wa.add_argument("--max-model-len", type=int, help="(default: the profile's, capped at the model's limit)")
     wa.add_argument("--dtype", help="dtype vLLM computes in (default: the checkpoint's)")
     wa.add_argument("--poll", type=float, default=10.0, help="seconds between looks at the run")

@@ -23,6 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE_PYTHON = os.environ.get("CKPTBRIDGE_SERVE_PYTHON") or os.path.join(ROOT, ".venv-serve", "bin", "python")
 
 
+# set for a server that takes LoRA adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
     name: str

@@ -232,8 +232,8 @@ class LoraServer:
             from ckptbridge.errors import ConfigError
 
             raise ConfigError(f"{self.url}{path} answered {r.status_code}: {r.text.strip()[:300]}; the server must "
-                              "run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (`python -m serving "
-                              "watch` starts one so)")
+                              "take adapters at run time (`python -m serving serve --runtime-lora`; the one "
+                              "`watch` starts does)")
 
     def load(self, name: str, path: str) -> None:
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": os.path.abspath(path)})
@@ -313,7 +313,10 @@ class Watch:
         name = f"step-{ckpt.step}"
         if name not in server.models():
             server.load(name, adapter)
-        parity = served_parity(server.url, name, self.base, adapter=adapter, tokens=self.parity_tokens)
+        verdict = "not checked"
+        if self.parity_tokens:
+            parity = served_parity(server.url, name, self.base, adapter=adapter, tokens=self.parity_tokens)
+            verdict = "equal" if parity.equal else f"differs at token {parity.first_divergence}"
         samples = os.path.join(self.out, "samples", f"{name}.jsonl")
         os.makedirs(os.path.dirname(samples), exist_ok=True)
         generate(server.url, name, self.problems, samples, n=self.samples, temperature=self.temperature,
@@ -322,8 +325,7 @@ class Watch:
         os.makedirs(os.path.dirname(result_path), exist_ok=True)
         result = score(self.problems, samples, result_path, ks=self.ks, progress=False)
         row = {"step": ckpt.step, "loss": loss_at(storage.join(self.run_dir, "metrics.jsonl"), ckpt.step),
-               "adapter": adapter, "changes_model": live, "served_parity": "equal" if parity.equal else
-               f"differs at token {parity.first_divergence}",
+               "adapter": adapter, "changes_model": live, "served_parity": verdict,
                "seconds_commit_to_score": round(time.time() - ckpt.committed, 1)}
         for k in self.ks:
             row[f"pass@{k}"] = result.get(f"pass@{k}")
@@ -421,12 +423,12 @@ def adopt_server(out: str, base: str) -> OwnServer | None:
 def lora_server_command(profile, base: str, *, rank: int, max_loras: int, port: int | None = None,
                         dtype: str | None = None, max_model_len: int | None = None):
     """The command of a vLLM on ``base`` that takes LoRA adapters of rank <= ``rank`` at run time."""
-    from serving.profiles import build_command
+    from serving.profiles import RUNTIME_LORA_ENV, build_command
     from serving.server import free_port
 
     cmd = build_command(profile, base, port=port or free_port(), max_model_len=max_model_len, dtype=dtype,
                         extra_args=["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(max_loras)])
-    cmd.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    cmd.env[RUNTIME_LORA_ENV] = "True"
     return cmd
 
 

@@ -193,3 +193,34 @@ def test_a_server_that_goes_away_is_one_line_and_exit_9(adapters, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "went away" in last and "the 0 row(s) so far are in" in last, proc.stderr
     assert os.path.isdir(out / "adapters" / "step-3")  # exported before the server was asked
+
+
+def test_runtime_lora_servers_and_the_profiles_watch_refuses(tmp_path):
+    import subprocess
+    import sys
+
+    def serving(*argv):
+        return subprocess.run([sys.executable, "-m", "serving", *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+
+    ok = serving("serve", "--profile", "gpu-h100x2", "--model", "google/gemma-4-31b-it", "--runtime-lora",
+                 "--max-lora-rank", "64", "--dry-run")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve google/gemma-4-31b-it")
+    assert "--enable-lora --max-lora-rank 64" in ok.stdout and "--lora-modules" not in ok.stdout
+    for argv, text in ((["--profile", "gpu-h100x2"], "pass --max-lora-rank"),
+                       (["--profile", "tpu-v6e-8", "--max-lora-rank", "64"], "serves no LoRA adapters")):
+        bad = serving("serve", "--model", "google/gemma-4-31b-it", "--runtime-lora", "--dry-run", *argv)
+        assert bad.returncode == 8 and text in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+    run, base = tmp_path / "run", tmp_path / "base"
+    for d in (run, base):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    for profile, text in (("tpu-v6e-8", "serves no LoRA adapters"),
+                          ("gpu-h100x2", f"serving serve --profile gpu-h100x2 --model {base} --runtime-lora")):
+        bad = serving("watch", str(run), "--base", str(base), "--out", str(tmp_path / "o"), "--profile", profile)
+        assert bad.returncode == 8 and text in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    bad = serving("watch", str(run), "--base", str(base), "--out", str(tmp_path / "o"), "--k", "1,9")
+    assert bad.returncode == 8 and "each k must be 1..--samples (5)" in bad.stderr
+    assert not (tmp_path / "o").exists()  # refused before anything is written
