@@ -187,7 +187,7 @@ def plot(out: str, rows: list[dict], ks: tuple[int, ...]) -> str | None:
         ax.plot(steps, [r.get(f"pass@{k}") for r in rows], marker="o", label=f"pass@{k}")
     ax.set_xlabel("training step")
     ax.set_ylabel("pass@k")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(-0.03, 1.03)  # 0 and 1 stay visible
     ax.grid(alpha=0.3)
     losses = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
     if losses:
