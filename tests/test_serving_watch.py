@@ -130,12 +130,14 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
     first.wait()
     before = _rows(out)
     assert len(before) >= 2, open(tmp_path / "watch.out").read()[-3000:]
+    scored = {r["step"]: os.stat(os.path.join(out, "scores", f"step-{r['step']}.json")).st_mtime_ns for r in before}
     second = start()
     assert second.wait(timeout=900) == 0, open(tmp_path / "watch.out").read()[-3000:]
     assert training.wait(timeout=600) == 0, open(tmp_path / "train.log").read()[-3000:]
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each once, in order
     assert rows[: len(before)] == before  # not scored again
+    assert all(os.stat(os.path.join(out, "scores", f"step-{k}.json")).st_mtime_ns == t for k, t in scored.items())
     # warmup: the first update has learning rate 0, so step 1's adapter is the base (scored, with a line)
     assert [r["changes_model"] for r in rows] == [False, True, True, True]
     for r in rows:
