@@ -243,16 +243,26 @@ def cmd_watch(args) -> int:
     checkpoints_dir(args.run_dir)  # a directory that is not a training run: one line, exit 3
     if not os.path.isdir(args.base) or not os.path.isfile(os.path.join(args.base, "config.json")):
         raise InputNotFoundError(f"--base {args.base}: no HF model directory (config.json) there")
-    if not os.path.isdir(args.problems):
-        raise InputNotFoundError(f"--problems {args.problems}: no such directory")
-    if args.keep < 1:
-        raise ConfigError(f"--keep {args.keep}: keep at least 1 adapter loaded")
+    from serving.evaluate import iverilog_version, list_problems
+
+    list_problems(args.problems, need_tests=True)  # problems without tests, or none: refused now, not after training
+    iverilog_version()  # scoring needs Icarus Verilog
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out}: a file is there; give a directory")
+    for flag, value, least in (("--keep", args.keep, 1), ("--samples", args.samples, 1),
+                               ("--max-tokens", args.max_tokens, 1), ("--parity-tokens", args.parity_tokens, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} {value}: give at least {least}")
+    if args.poll <= 0:
+        raise ConfigError(f"--poll {args.poll:g}: give a positive number of seconds")
     try:
         ks = tuple(int(k) for k in args.k.split(","))
     except ValueError:
         raise ConfigError(f"--k {args.k}: give whole numbers, comma-separated (e.g. 1,5)") from None
     if any(k < 1 or k > args.samples for k in ks):
         raise ConfigError(f"--k {args.k}: each k must be 1..--samples ({args.samples}); pass@k needs k samples")
+    if 1 not in ks:
+        raise ConfigError(f"--k {args.k}: include 1 (the best step is chosen by pass@1)")
     w = Watch(args.run_dir, args.base, args.problems, args.out, samples=args.samples, keep=args.keep, ks=ks,
               max_tokens=args.max_tokens, parity_tokens=args.parity_tokens, say=lambda line: print(line, flush=True))
     profile = PROFILES[args.profile]

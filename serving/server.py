@@ -48,9 +48,13 @@ def get_json(url: str, timeout: float = 5.0):
 class LocalServer:
     """``with LocalServer(cmd, log_path) as server: ...``: the server is up inside the block."""
 
-    def __init__(self, command: ServeCommand, log_path: str | None = None, startup_timeout: float = 600.0):
+    def __init__(self, command: ServeCommand, log_path: str | None = None, startup_timeout: float = 600.0,
+                 outlive: bool = False):
         self.command = command
         self.log_path = log_path
+        # outlive: vLLM writes to the log file itself (no pipe through this process), so that it can
+        # go on serving, and logging, after this process is killed (a restarted watch adopts it)
+        self.outlive = outlive and log_path is not None
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
         self._log = None
@@ -70,10 +74,12 @@ class LocalServer:
             os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
             self._log = open(self.log_path, "ab")
         env = {**os.environ, **self.command.env}
+        self._log_start = self._log.tell() if self._log else 0
         self.proc = subprocess.Popen(self.command.argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self._pump = threading.Thread(target=self._copy_output, args=(self.proc.stdout,), daemon=True)
-        self._pump.start()
+                                     stdout=self._log if self.outlive else subprocess.PIPE, stderr=subprocess.STDOUT)
+        if not self.outlive:
+            self._pump = threading.Thread(target=self._copy_output, args=(self.proc.stdout,), daemon=True)
+            self._pump.start()
 
     def _copy_output(self, stream) -> None:
         """vLLM's output goes to the log file (or this process's stderr) as it comes; the last lines
@@ -92,7 +98,12 @@ class LocalServer:
 
         if self._pump is not None:
             self._pump.join(timeout=10)
-        reason = startup_reason(list(self.last_lines))
+        lines = list(self.last_lines)
+        if self.outlive:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                lines = [raw.decode("utf-8", "replace") for raw in f.read().splitlines(keepends=True)[-300:]]
+        reason = startup_reason(lines)
         where = f"full log: {self.log_path}" if self.log_path else "its output is above"
         return f": {reason} ({where})" if reason else f" ({where})"
 

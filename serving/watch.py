@@ -34,6 +34,8 @@ COMMIT_FILE = "commit_success.txt"
 METADATA = "_CHECKPOINT_METADATA"
 ITEM = "model_params"
 LIVE = "live"  # the lint's check that an adapter changes something
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+LOCK = "watch.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +68,13 @@ def _commit_time(step_dir: str) -> float | None:
     stamp = meta.get("commit_timestamp_nsecs") if isinstance(meta, dict) else None
     if isinstance(stamp, int) and stamp > 0:
         return stamp / 1e9
-    if storage.isfile(storage.join(step_dir, COMMIT_FILE)):
-        return time.time() if storage.is_remote(step_dir) else os.stat(storage.join(step_dir, COMMIT_FILE)).st_mtime
-    return None
+    marker = storage.join(step_dir, COMMIT_FILE)
+    if storage.is_remote(step_dir):
+        return time.time() if storage.isfile(marker) else None  # (Orbax stamps the metadata too)
+    try:
+        return os.stat(marker).st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def committed(root: str, skip: frozenset[int] | set[int] = frozenset()) -> list[Checkpoint]:
@@ -108,27 +114,31 @@ def loss_at(metrics_path: str, step: int) -> float | None:
     return None
 
 
+def whole_lines(path: str) -> str:
+    """The text of a jsonl file that this process or a killed one appends to, up to its last whole
+    line; a partly written last line (a kill mid-write) is cut from the file, atomically."""
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        text = f.read()
+    whole = text[: text.rfind("\n") + 1]
+    if whole != text:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(whole)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return whole
+
+
 class Rows:
     """``OUT/watch.jsonl``: one row per scored step, appended whole (a line and fsync), read back
-    on restart; a partly written last line (a kill mid-write) is dropped and rewritten away."""
+    on restart (a partly written last line is dropped)."""
 
     def __init__(self, out: str):
         self.path = os.path.join(out, ROWS)
-        self.rows: list[dict] = []
-        if os.path.isfile(self.path):
-            with open(self.path) as f:
-                text = f.read()
-            whole = text[: text.rfind("\n") + 1]
-            for line in whole.splitlines():
-                if line.strip():
-                    self.rows.append(json.loads(line))
-            if whole != text:  # rewrite without the partial line, atomically
-                tmp = self.path + ".tmp"
-                with open(tmp, "w") as f:
-                    f.write(whole)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
+        self.rows: list[dict] = [json.loads(line) for line in whole_lines(self.path).splitlines() if line.strip()]
 
     @property
     def steps(self) -> set[int]:
@@ -231,9 +241,9 @@ class LoraServer:
         if r.status_code != 200:
             from ckptbridge.errors import ConfigError
 
-            raise ConfigError(f"{self.url}{path} answered {r.status_code}: {r.text.strip()[:300]}; the server must "
-                              "take adapters at run time (`python -m serving serve --runtime-lora`; the one "
-                              "`watch` starts does)")
+            hint = ("; the server must take adapters at run time (`python -m serving serve --runtime-lora`; the one "
+                    "`watch` starts does)" if r.status_code in (404, 405) else "")
+            raise ConfigError(f"{self.url}{path} answered {r.status_code}: {r.text.strip()[:300]}{hint}")
 
     def load(self, name: str, path: str) -> None:
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": os.path.abspath(path)})
@@ -282,11 +292,15 @@ class Watch:
         from ckptbridge.errors import CkptBridgeError
 
         dst = self.adapter_dir(ckpt.step)
+        if all(os.path.isfile(os.path.join(dst, f)) for f in ADAPTER_FILES):
+            return dst  # exported already (the export writes its directory whole or not at all)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         try:
             convert_orbax_to_peft(ckpt.path, dst, base=self.base, target="vllm", overwrite=True, progress=False)
         except (CkptBridgeError, OSError):
-            if not storage.isdir(ckpt.path):
+            time.sleep(1.0)  # a retention delete is not atomic: look again once it is through
+            storage.forget(ckpt.path)
+            if _commit_time(ckpt.path) is None or not storage.isdir(storage.join(ckpt.path, ITEM)):
                 self.say(f"watch: step {ckpt.step}: removed by the run's retention before it was exported; skipped")
                 return None
             raise
@@ -319,6 +333,7 @@ class Watch:
             verdict = "equal" if parity.equal else f"differs at token {parity.first_divergence}"
         samples = os.path.join(self.out, "samples", f"{name}.jsonl")
         os.makedirs(os.path.dirname(samples), exist_ok=True)
+        whole_lines(samples)  # samples of a watch killed mid-line: resumed from the last whole one
         generate(server.url, name, self.problems, samples, n=self.samples, temperature=self.temperature,
                  max_tokens=self.max_tokens, seed=ckpt.step, progress=False)
         result_path = os.path.join(self.out, "scores", f"{name}.json")
@@ -380,44 +395,65 @@ SERVER = "server.json"  # the server this watch started: {"pid", "url", "base"};
 
 
 class OwnServer:
-    """The local vLLM a watch started (or adopted from a watch killed before it could stop it):
-    stopped, with its process group, when the watch ends."""
+    """The local vLLM a watch started (or adopted from a watch killed before it could stop it),
+    recorded in ``OUT/server.json`` from its start: stopped, with its process group, when the watch
+    ends."""
 
     def __init__(self, out: str, pid: int, url: str, local=None):
         self.out, self.pid, self.url, self.local = out, pid, url, local
 
     def stop(self) -> None:
-        import signal
-
         if self.local is not None:
             self.local.stop()
         else:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-                for _ in range(300):
-                    os.killpg(self.pid, 0)
-                    time.sleep(0.1)
-                os.killpg(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_group(self.pid)
         try:
             os.remove(os.path.join(self.out, SERVER))
         except FileNotFoundError:
             pass
 
 
-def adopt_server(out: str, base: str) -> OwnServer | None:
-    """The server a killed watch with the same OUT left running, when it still serves ``base``."""
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        for _ in range(300):
+            os.killpg(pid, 0)
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _record(out: str) -> dict | None:
     try:
         with open(os.path.join(out, SERVER)) as f:
             record = json.load(f)
-        os.killpg(record["pid"], 0)
-        if record.get("base") != os.path.abspath(base):
-            return None
-        LoraServer(record["url"]).models()
-    except (OSError, ValueError, KeyError, TypeError, ServerGone):
+        os.killpg(int(record["pid"]), 0)
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return OwnServer(out, record["pid"], record["url"])
+
+
+def adopt_server(out: str, base: str, say: Callable[[str], None], timeout: float = 600.0) -> OwnServer | None:
+    """The server a killed watch with the same OUT left running (waiting for it while it starts),
+    when it serves ``base``; one that serves another base or does not answer is stopped."""
+    record = _record(out)
+    if record is None:
+        return None
+    own = OwnServer(out, int(record["pid"]), record["url"])
+    if record.get("base") == os.path.abspath(base):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _record(out) is not None:
+            try:
+                LoraServer(record["url"]).models()
+                return own
+            except ServerGone:
+                time.sleep(1.0)  # still starting
+    say(f"watch: stopping the server a killed watch left at {record['url']} (another base, or not answering)")
+    own.stop()
+    return None
 
 
 def lora_server_command(profile, base: str, *, rank: int, max_loras: int, port: int | None = None,
@@ -438,13 +474,54 @@ def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, 
 
     cmd = lora_server_command(profile, w.base, rank=rank, max_loras=w.keep + 2, port=port, dtype=dtype,
                               max_model_len=max_model_len)
-    local = LocalServer(cmd, os.path.join(w.out, "server.log"))
-    local.__enter__()
+    local = LocalServer(cmd, os.path.join(w.out, "server.log"), outlive=True)
+    local.start()
+    own = OwnServer(w.out, local.proc.pid, local.url, local)
     tmp = os.path.join(w.out, SERVER + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "w") as f:  # recorded before it is up: a watch killed meanwhile is followed by one that waits
         json.dump({"pid": local.proc.pid, "url": local.url, "base": os.path.abspath(w.base)}, f)
     os.replace(tmp, os.path.join(w.out, SERVER))
-    return OwnServer(w.out, local.proc.pid, local.url, local)
+    try:
+        local.wait_ready()
+    except BaseException:
+        own.stop()
+        raise
+    return own
+
+
+class Busy:
+    """``OUT/watch.lock``, held while a watch writes to OUT: a second watch on the same OUT (an
+    overlapping cron ``--once``) is refused in one line instead of scoring steps twice."""
+
+    def __init__(self, out: str):
+        import fcntl
+
+        self.f = open(os.path.join(out, LOCK), "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.f.seek(0)
+            pid = self.f.read().strip() or "?"
+            self.f.close()
+            from ckptbridge.errors import ConfigError
+
+            raise ConfigError(f"{out}: another watch (pid {pid}) is writing here; wait for it or use another --out") \
+                from None
+        self.f.seek(0)
+        self.f.truncate()
+        self.f.write(str(os.getpid()))
+        self.f.flush()
+
+    def release(self) -> None:
+        self.f.close()
+
+
+def _alive(server: LoraServer) -> bool:
+    try:
+        server.models()
+        return True
+    except ServerGone:
+        return False
 
 
 def watch(w: Watch, *, server_url: str | None, profile=None, once: bool = False, poll: float = 10.0,
@@ -456,37 +533,52 @@ def watch(w: Watch, *, server_url: str | None, profile=None, once: bool = False,
     checkpoints were scored by this call."""
     finished = finished or (lambda: run_finished(w.run_dir))
     os.makedirs(w.out, exist_ok=True)
-    rows = Rows(w.out)
-    if rows.rows:
-        w.say(f"watch: {len(rows.rows)} step(s) scored already ({', '.join(str(s) for s in sorted(rows.steps))}); "
-              "not scored again")
-    own = None if server_url else adopt_server(w.out, w.base)
-    if own is not None:
-        w.say(f"watch: using the server the last watch left running at {own.url}")
-    server = LoraServer(server_url) if server_url else LoraServer(own.url) if own is not None else None
-    scored = 0
+    busy = Busy(w.out)
+    own = None
     try:
+        rows = Rows(w.out)
+        if rows.rows:
+            w.say(f"watch: {len(rows.rows)} step(s) scored already ({', '.join(str(s) for s in sorted(rows.steps))}); "
+                  "not scored again")
+            write_best(w.out, rows.rows)  # as of the last row (a kill can come between a row and these)
+            plot(w.out, rows.rows, w.ks)
+        if server_url:
+            left = _record(w.out)
+            if left is not None:
+                w.say(f"watch: stopping the server a killed watch left at {left['url']} (--server is used now)")
+                OwnServer(w.out, int(left["pid"]), left["url"]).stop()
+        else:
+            own = adopt_server(w.out, w.base, w.say)
+            if own is not None:
+                w.say(f"watch: using the server the last watch left running at {own.url}")
+        server = LoraServer(server_url) if server_url else LoraServer(own.url) if own is not None else None
+        scored = 0
         while True:
             done = finished()  # read before listing: a last checkpoint is then listed too
-            todo = pending(w.root, rows.steps)
+            try:
+                todo = pending(w.root, rows.steps)
+            except OSError as e:  # Cloud Storage answering with an error now and then: look again next time
+                w.say(f"watch: could not list {w.root} ({type(e).__name__}: {e}); trying again in {poll:g} s")
+                todo, done = [], False
             if todo and server is None:
-                first = w.export(todo[0])
-                if first is not None:
-                    own = start_server(w, profile, w.lint(first)[0], port=port, dtype=dtype,
-                                       max_model_len=max_model_len)
-                    server = LoraServer(own.url)
-                    w.say(f"watch: vLLM serving {w.base} at {own.url} (log: {os.path.join(w.out, 'server.log')})")
+                for ckpt in todo:  # the first that can be exported sets the server's --max-lora-rank
+                    first = w.export(ckpt)
+                    if first is not None:
+                        own = start_server(w, profile, w.lint(first)[0], port=port, dtype=dtype,
+                                           max_model_len=max_model_len)
+                        server = LoraServer(own.url)
+                        w.say(f"watch: vLLM serving {w.base} at {own.url} (log: {os.path.join(w.out, 'server.log')})")
+                        break
             if todo and server is not None:
                 try:
                     scored += w.pass_once(server, rows)
-                except ServerGone as e:
-                    raise ServerGone(f"{e}; the {len(rows.rows)} row(s) so far are in {rows.path}") from None
                 except Exception as e:
-                    import httpx
+                    from ckptbridge.errors import CkptBridgeError
 
-                    if isinstance(e, httpx.TransportError):
-                        raise ServerGone(f"the server at {server.url} went away ({type(e).__name__}); the "
-                                         f"{len(rows.rows)} row(s) so far are in {rows.path}") from None
+                    if isinstance(e, ServerGone) or (isinstance(e, CkptBridgeError) or _transport(e)) \
+                            and not _alive(server):
+                        raise ServerGone(f"the server at {server.url} went away; the {len(rows.rows)} row(s) so far "
+                                         f"are in {rows.path}") from None
                     raise
             if once or (done and not pending(w.root, rows.steps)):
                 return scored
@@ -494,3 +586,10 @@ def watch(w: Watch, *, server_url: str | None, profile=None, once: bool = False,
     finally:
         if own is not None:
             own.stop()
+        busy.release()
+
+
+def _transport(e: Exception) -> bool:
+    import httpx
+
+    return isinstance(e, httpx.TransportError)

@@ -76,6 +76,54 @@ def test_loss_at_reads_whole_lines_only(tmp_path):
     assert loss_at(str(path), 3) is None and loss_at(str(tmp_path / "none"), 1) is None
 
 
+def test_one_watch_per_out(tmp_path):
+    from ckptbridge.errors import ConfigError
+    from serving.watch import Busy
+
+    first = Busy(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"another watch \\(pid {os.getpid()}\\) is writing here"):
+        Busy(str(tmp_path))
+    first.release()
+    Busy(str(tmp_path)).release()
+
+
+def test_a_left_server_of_another_base_or_silent_is_stopped(tmp_path):
+    import subprocess
+    import threading
+
+    from serving.watch import SERVER, adopt_server
+
+    for base in ("other", "base"):  # another base: stopped at once; this base but not answering: after the wait
+        proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        reaper = threading.Thread(target=proc.wait)  # as init reaps a killed watch's server
+        reaper.start()
+        (tmp_path / SERVER).write_text(json.dumps({"pid": proc.pid, "url": "http://127.0.0.1:9",
+                                                   "base": str(tmp_path / base)}))
+        lines = []
+        assert adopt_server(str(tmp_path), str(tmp_path / "base"), lines.append, timeout=1.0) is None
+        reaper.join(timeout=30)
+        assert proc.returncode is not None and proc.returncode != 0 and not (tmp_path / SERVER).exists()
+        assert len(lines) == 1 and "stopping the server a killed watch left" in lines[0]
+
+
+def test_a_server_gone_mid_step_is_exit_9(tmp_path, monkeypatch):
+    from ckptbridge.errors import InputNotFoundError
+    from serving import watch as watch_mod
+    from serving.server import free_port
+
+    root = tmp_path / "run" / "checkpoints"
+    _step(str(root), 3)
+    w = watch_mod.Watch(str(tmp_path / "run"), str(tmp_path / "base"), str(tmp_path), str(tmp_path / "out"))
+
+    def fails(self, server, rows):  # what generate or the probe raise when the server stops answering mid-way
+        raise InputNotFoundError("http://127.0.0.1:1/v1/completions: connection refused")
+
+    monkeypatch.setattr(watch_mod.Watch, "pass_once", fails)
+    with pytest.raises(watch_mod.ServerGone, match="went away; the 0 row\\(s\\) so far are in"):
+        watch_mod.watch(w, server_url=f"http://127.0.0.1:{free_port()}", once=True)
+    watch_mod.Busy(str(tmp_path / "out")).release()  # the lock was let go
+
+
 # --------------------------------------------------------------------------- the whole loop (vLLM on the CPU)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,6 +194,8 @@ def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
         assert os.path.isfile(os.path.join(r["adapter"], "adapter_config.json"))
     server_log = open(os.path.join(out, "server.log")).read()
     assert server_log.count("non-default args") == 1  # one vLLM start: the restart used the server left running
+    # which logs on by itself after its watch was killed: all four loads are in its log
+    assert server_log.count('"POST /v1/load_lora_adapter HTTP/1.1" 200') >= 4
     best = json.load(open(os.path.join(out, "best.json")))
     top = max(rows, key=lambda r: (r["pass@1"], -r["loss"]))
     assert best["step"] == top["step"] and os.path.isfile(os.path.join(out, "watch.png"))

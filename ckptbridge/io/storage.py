@@ -73,6 +73,14 @@ def listdir(path: str) -> list[str]:
     return [posixpath.basename(p.rstrip("/")) for p in _gcs().ls(path, detail=False, refresh=True)]
 
 
+def forget(path: str) -> None:
+    """Drop what is cached of ``path`` and its directory (Cloud Storage listings), so that the next
+    look asks the server."""
+    if is_remote(path):
+        _gcs().invalidate_cache(path)
+        _gcs().invalidate_cache(dirname(path))
+
+
 def read_bytes(path: str) -> bytes:
     if is_remote(path):
         with _gcs().open(path, "rb") as f:
