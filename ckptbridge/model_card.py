@@ -124,18 +124,24 @@ def adapter_card(*, base_id: str | None, base_path: str, source: str, step: int 
     return "".join(text)
 
 
+def _model_meta(base_id: str | None, relation: str, tags: list[str]) -> dict:
+    """Front matter of a full model made from ``base_id`` (``relation``: the Hub's base_model_relation)."""
+    meta: dict = {}
+    if base_id:
+        meta["base_model"] = [base_id]
+        meta["base_model_relation"] = relation
+    meta["library_name"] = "transformers"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = tags
+    return meta
+
+
 def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id: str | None, step: int | None,
                 family: str, merged_tensors: int, quantized: str | None = None) -> str:
     """README.md of a model merged from a base and a LoRA adapter (``quantized``: how its weights were
     quantized in the same pass, from :meth:`ckptbridge.quantize.Plan.describe`)."""
     base = base_id or os.path.abspath(base_path)
-    meta: dict = {}
-    if base_id:
-        meta["base_model"] = [base_id]
-        meta["base_model_relation"] = "merge"
-    meta["library_name"] = "transformers"
-    meta["pipeline_tag"] = "text-generation"
-    meta["tags"] = ["ckptbridge", "lora", "merge"]
+    meta = _model_meta(base_id, "merge", ["ckptbridge", "lora", "merge"])
     what = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else \
         f"`{adapter if adapter.startswith('gs://') else os.path.abspath(adapter)}`"
     made = f" (step {step})" if step is not None else ""
@@ -162,13 +168,7 @@ def _quantization(description: str) -> str:
 def quantized_card(*, base_id: str | None, base_path: str, family: str, description: str) -> str:
     """README.md of a quantized copy of an HF model."""
     base = base_id or os.path.abspath(base_path)
-    meta: dict = {}
-    if base_id:
-        meta["base_model"] = [base_id]
-        meta["base_model_relation"] = "quantized"
-    meta["library_name"] = "transformers"
-    meta["pipeline_tag"] = "text-generation"
-    meta["tags"] = ["ckptbridge", "compressed-tensors", "quantized"]
+    meta = _model_meta(base_id, "quantized", ["ckptbridge", "compressed-tensors", "quantized"])
     return "".join([
         _yaml(meta),
         f"# {base}, quantized\n\n",
