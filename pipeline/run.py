@@ -99,7 +99,7 @@ class TrainingFailed(CkptBridgeError):
     """The background training process exited non-zero."""
 
 
-def _training(run_dir: str, cfg, out: str) -> dict:
+def _training(run_dir: str, cfg, out: str) -> tuple[dict, dict]:
     """The run's summary (``run.json``) and the report's training section; loss.png copied to ``out``."""
     from training.trainer import read_metrics
 
@@ -110,10 +110,9 @@ def _training(run_dir: str, cfg, out: str) -> dict:
     keys = ("steps", "first_loss", "final_loss", "tokens", "real_token_fraction", "tokens_per_s", "train_seconds",
             "examples", "dropped_too_long", "compile_seconds", "steady_tokens_per_s", "steady_step_seconds",
             "steady_mfu", "chip", "chips")
-    return {"summary": summary,
-            "training": {**{k: summary[k] for k in keys}, "rank": cfg.rank, "alpha": cfg.alpha,
-                         "max_length": cfg.max_length, "checkpoint_every": cfg.checkpoint_every,
-                         "losses": [round(m["loss"], 4) for m in metrics]}}
+    return summary, {**{k: summary[k] for k in keys}, "rank": cfg.rank, "alpha": cfg.alpha,
+                     "max_length": cfg.max_length, "checkpoint_every": cfg.checkpoint_every,
+                     "losses": [round(m["loss"], 4) for m in metrics]}
 
 
 def _watched(w, out: str, steps: int, every: int) -> dict:
@@ -222,8 +221,7 @@ def run(args) -> dict:
             watch(w, server_url=server.url, poll=1.0, finished=lambda: training.poll() is not None)
             if training.wait() != 0:
                 raise TrainingFailed(f"training exited with {training.returncode}; its log: {train_log}")
-            report.update(_training(run_dir, cfg, out))
-            summary = report.pop("summary")
+            summary, report["training"] = _training(run_dir, cfg, out)
             report["watch"] = _watched(w, out, summary["steps"], cfg.checkpoint_every)
 
             # 4. checkpoint -> adapters, merged model; logits

@@ -123,13 +123,18 @@ def whole_lines(path: str) -> str:
         text = f.read()
     whole = text[: text.rfind("\n") + 1]
     if whole != text:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(whole)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _replace(path, whole)
     return whole
+
+
+def _replace(path: str, text: str) -> None:
+    """Write ``path`` whole: a reader (or a watch started after a kill) sees the old text or the new."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class Rows:
@@ -173,11 +178,7 @@ def write_best(out: str, rows: list[dict]) -> dict | None:
         return None
     record = {"step": row["step"], "adapter": row["adapter"], "pass@1": row["pass@1"], "loss": row.get("loss"),
               "chosen_by": "pass@1, ties to the lower training loss"}
-    tmp = os.path.join(out, BEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, os.path.join(out, BEST))
+    _replace(os.path.join(out, BEST), json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -477,10 +478,9 @@ def start_server(w: Watch, profile, rank: int, *, port: int | None, dtype: str, 
     local = LocalServer(cmd, os.path.join(w.out, "server.log"), outlive=True)
     local.start()
     own = OwnServer(w.out, local.proc.pid, local.url, local)
-    tmp = os.path.join(w.out, SERVER + ".tmp")
-    with open(tmp, "w") as f:  # recorded before it is up: a watch killed meanwhile is followed by one that waits
-        json.dump({"pid": local.proc.pid, "url": local.url, "base": os.path.abspath(w.base)}, f)
-    os.replace(tmp, os.path.join(w.out, SERVER))
+    # recorded before it is up: a watch killed meanwhile is followed by one that waits
+    _replace(os.path.join(w.out, SERVER),
+             json.dumps({"pid": local.proc.pid, "url": local.url, "base": os.path.abspath(w.base)}))
     try:
         local.wait_ready()
     except BaseException:
