@@ -130,7 +130,8 @@ def run_training(a, base: str, data: str, out: str) -> dict:
                  f"checkpoint_every={10 * a.steps}", "compile_cache=off", "xla_flags="]
     cmd = [sys.executable, "-c", TRAIN, "--preset", preset, "--base", base, "--data", data, "--out", out,
            "--max-steps", str(a.steps), "--quiet", *overrides]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)  # the machine's JAX may live there
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
     if p.returncode != 0:
         raise SystemExit(f"training failed:\n{p.stderr[-4000:]}")
     rss = json.loads(p.stdout.strip().splitlines()[-1])["peak_rss_bytes"]

@@ -136,11 +136,13 @@ def build_checkpoint(
 
 def write_random_checkpoint(out_dir: str, *, family: str = DEFAULT_FAMILY, dtype: str = "bfloat16",
                             prefix: str | None = "model.", max_shard_size: int = 5 * 10**9, seed: int = 0,
-                            **overrides: Any) -> str:
+                            pool: int | None = None, **overrides: Any) -> str:
     """Write an HF checkpoint of any size straight from the spec table, without torch.
 
     Tensors are generated and written one at a time (memory stays at one tensor), so this can
-    produce checkpoints of real width for benchmarks. ``overrides`` are text-config fields.
+    produce checkpoints of real width for benchmarks. ``overrides`` are text-config fields. With
+    ``pool`` = N, every tensor repeats N random values from its own offset instead (written at
+    the speed of a copy: for benchmarks whose figures do not depend on the values).
     """
     import numpy as np
 
@@ -152,9 +154,15 @@ def write_random_checkpoint(out_dir: str, *, family: str = DEFAULT_FAMILY, dtype
     cfg = spec.parse_config(config, "config.json")
     np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}[dtype]
     planned = []
+    values = None
+    if pool:
+        values = (np.random.default_rng(seed).standard_normal(2 * pool, dtype=np.float32) * 0.02).astype(np_dtype)
     for i, e in enumerate(mapping.entries(cfg, spec, cfg.default_key_prefix)):
         for j, key in enumerate(e.hf_keys):
             def produce(shape=e.hf_shape, s=seed * 100_003 + i * 7 + j):
+                if values is not None:
+                    start = s % pool
+                    return np.resize(values[start:start + pool], shape)
                 rng = np.random.default_rng(s)
                 return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np_dtype)
 

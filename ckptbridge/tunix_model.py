@@ -180,33 +180,110 @@ def _assign(tree: dict, path: tuple[str, ...], value) -> None:
     parent[_key(parent, path[-1])] = value
 
 
-def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any = None,
-                     step: int | None = None, skip_multimodal: bool = False, remat: str | None = None,
-                     allow_config_mismatch: bool = False):
-    """The family's Tunix model with the weights of ``src`` (HF directory or ckptbridge Orbax checkpoint).
+# host bytes of weights read ahead of the chip (read, rearranged, cast, not yet placed) when loading
+LOAD_MEMORY_BUDGET = "2GiB"
 
-    Parameters keep the source dtype unless ``param_dtype`` is given; ``dtype`` is the compute
-    dtype (default float32). With ``mesh``, each parameter is placed with Tunix's own sharding
-    annotation as it is loaded. Returns ``(model, model_config)``.
-    """
-    import jax
+
+def _base_and_lora(cls, tcfg, lora_rules: list[dict] | None, seed: int):
+    """A function building the Tunix model (and qwix LoRA following ``lora_rules``) from scratch:
+    traced abstractly for the structure, jitted for the LoRA factors' initial values."""
     from flax import nnx
 
-    from ckptbridge.sources import open_model_source
+    def build():
+        model = cls(tcfg, rngs=nnx.Rngs(params=0))
+        return apply_lora_rules(model, lora_rules, seed=seed) if lora_rules else model
 
-    with open_model_source(src, step=step, skip_multimodal=skip_multimodal) as source:
-        first = source.entries[0]
-        pdtype = np.dtype(param_dtype) if param_dtype is not None else source.dtype(first)
-        tcfg = tunix_model_config(source.cfg, dtype=dtype, param_dtype=pdtype, remat=remat,
+    return build
+
+
+def _not_base(path, var) -> bool:
+    """What the files do not hold: LoRA factors and anything else that is no base parameter."""
+    from flax import nnx
+
+    return isinstance(var, nnx.LoRAParam) or not isinstance(var, nnx.Param)
+
+
+class TunixModelPlan:
+    """A family's Tunix model of a checkpoint, planned before any weight is read: its config, and
+    its abstract model (shapes, dtypes, sharding annotations; qwix LoRA included when rules are
+    given), from which programs can be compiled while :meth:`load` streams the weights in.
+
+    Use :func:`open_tunix_model`, as a context manager (it holds the checkpoint's files open)."""
+
+    def __init__(self, src: str, cfg: ModelConfig, spec: FamilySpec, tcfg, pdtype: np.dtype, mesh,
+                 lora_rules: list[dict] | None, seed: int, source=None):
+        from flax import nnx
+
+        self.src = src
+        self.source = source
+        self.model_config = cfg
+        self.spec = spec
+        self.config = tcfg
+        self.mesh = mesh
+        self.param_dtype = pdtype
+        self.lora_rules = lora_rules
+        cls = tunix_model_class(spec)
+        self._build = _base_and_lora(cls, tcfg, lora_rules, seed)
+        abstract = nnx.eval_shape(self._build)
+        self.lora_annotations = qwix_lora.fit_lora_annotations(abstract, mesh) if (mesh is not None and lora_rules) \
+            else (0, 0)
+        self.graphdef, self.abstract_state = nnx.split(abstract)
+
+    def abstract_model(self):
+        """A new abstract model (``jax.ShapeDtypeStruct`` values) of what :meth:`load` returns."""
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, self.abstract_state)
+
+    @classmethod
+    def of_config(cls, cfg: ModelConfig, *, mesh=None, dtype: Any = None, param_dtype: Any = "float32",
+                  remat: str | None = None, allow_config_mismatch: bool = False, lora_rules: list[dict] | None = None,
+                  seed: int = 0) -> TunixModelPlan:
+        """The plan of a model of config ``cfg`` with no checkpoint behind it: for its shapes, its
+        programs and their memory (nothing to :meth:`load`)."""
+        pdtype = np.dtype(param_dtype)
+        tcfg = tunix_model_config(cfg, dtype=dtype, param_dtype=pdtype, remat=remat,
                                   allow_config_mismatch=allow_config_mismatch)
-        cls = tunix_model_class(source.spec)
-        abstract = nnx.eval_shape(lambda: cls(tcfg, rngs=nnx.Rngs(params=0)))
-        graphdef, abs_state = nnx.split(abstract)
-        pure = abs_state.to_pure_dict()
-        shardings = nnx.get_named_sharding(abs_state, mesh).to_pure_dict() if mesh is not None else None
+        return cls("(config)", cfg, get_family(cfg.family), tcfg, pdtype, mesh, lora_rules, seed)
 
-        filled = 0
-        for e in source.entries:
+    def weights_bytes(self) -> int:
+        """Bytes of the base parameters on the device(s) (the files' parameters in the parameter dtype)."""
+        entries = self.source.entries if self.source is not None else mapping.entries(self.model_config, self.spec, "")
+        return sum(int(np.prod(e.tunix_shape, dtype=np.int64)) * self.param_dtype.itemsize for e in entries)
+
+    def _shardings(self, state) -> dict | None:
+        from flax import nnx
+
+        if self.mesh is None:
+            return None
+        return nnx.get_named_sharding(state, self.mesh).to_pure_dict()
+
+    def load(self, *, workers: int | None = None, memory_budget: int | str | None = None,
+             progress: bool | None = False):
+        """The model with the checkpoint's weights. Each tensor is read, rearranged, cast and placed
+        straight onto its sharding by one of ``workers`` threads (default: the usable cores), at
+        most ``memory_budget`` host bytes in flight (default :data:`LOAD_MEMORY_BUDGET`; a tensor
+        larger than that goes alone), so that reads from disk, host copies and transfers to the
+        chips overlap. LoRA factors (and other state the files do not hold) get their initial
+        values from one compiled program, made while the weights load, not from running the model
+        op by op."""
+        import concurrent.futures
+
+        import jax
+
+        from ckptbridge import options
+        from ckptbridge.progress import Progress
+        from ckptbridge.stream import Engine
+
+        if self.source is None:
+            raise UnsupportedError("this model plan was made from a config: it has no weights to load")
+        budget = options.parse_size(memory_budget if memory_budget is not None else LOAD_MEMORY_BUDGET)
+        pure = self.abstract_state.to_pure_dict()
+        shardings = self._shardings(self.abstract_state)
+        source, pdtype = self.source, self.param_dtype
+        default_device = jax.devices()[0]
+
+        def place(e: mapping.Entry):
             target = _lookup(pure, e.tunix_path)
             value = np.asarray(source.tunix_value(e))
             lay = mapping.layout_with_shape(e, tuple(target.shape))
@@ -214,24 +291,121 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
                 value = layout.rearrange(value, e.tunix_layout, lay, e.sizes)
             if tuple(value.shape) != tuple(target.shape):
                 raise UnsupportedError(
-                    f"{e.tunix_name}: Tunix expects {tuple(target.shape)}, the map gives {value.shape}"
-                )
-            value = value.astype(pdtype, copy=False)
-            device = _lookup(shardings, e.tunix_path) if shardings is not None else jax.devices()[0]
+                    f"{e.tunix_name}: Tunix expects {tuple(target.shape)}, the map gives {value.shape}")
+            device = _lookup(shardings, e.tunix_path) if shardings is not None else default_device
             if shardings is not None:
                 _check_divisible(e.tunix_name, value.shape, device)
-            _assign(pure, e.tunix_path, jax.device_put(value, device))
-            filled += 1
-        leaves = len(jax.tree_util.tree_leaves(pure))
-        if filled != leaves:
-            raise UnsupportedError(f"{src}: filled {filled} of the {leaves} Tunix parameters; the spec is incomplete")
-        return nnx.merge(graphdef, pure), tcfg
+            placed = jax.device_put(value.astype(pdtype, copy=False), device)
+            placed.block_until_ready()  # the host bytes are free once the job ends
+            return placed
+
+        entries = source.entries
+        sizes = [int(np.prod(e.tunix_shape, dtype=np.int64)) * pdtype.itemsize for e in entries]
+        bar = Progress(sum(sizes), "load base", enabled=progress)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-init") as init:
+            rest = init.submit(self._init_not_base)
+            try:
+                with Engine(workers, budget, name="load") as engine:
+                    for e, size, placed in zip(entries, sizes, engine.stream(
+                            [(size, functools.partial(place, e)) for e, size in zip(entries, sizes)])):
+                        _assign(pure, e.tunix_path, placed)
+                        bar.update(size)
+            finally:
+                bar.close()
+            _fill(pure, rest.result())
+        missing = [".".join(map(str, p)) for p, v in _flat(pure) if isinstance(v, jax.ShapeDtypeStruct)]
+        if missing:
+            raise UnsupportedError(f"{self.src}: {len(missing)} Tunix parameters have no value ({missing[0]}, ...); "
+                                   "the spec is incomplete")
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, pure)
+
+    def _init_not_base(self) -> dict:
+        """Initial values of what the files do not hold (LoRA factors), as a pure dict: one compiled
+        program whose outputs are those alone (the base model it traces is left out by XLA)."""
+        import jax
+        from flax import nnx
+
+        rest = nnx.state(self.abstract_model(), _not_base)
+        if not len(nnx.to_flat_state(rest)):
+            return {}
+        build = self._build
+
+        def init_lora_factors():
+            return nnx.state(build(), _not_base).to_pure_dict()
+
+        return jax.jit(init_lora_factors, out_shardings=self._shardings(rest))()
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+    def __enter__(self) -> TunixModelPlan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _flat(tree: dict, prefix: tuple = ()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v
+
+
+def _fill(tree: dict, values: dict) -> None:
+    """Put the leaves of ``values`` (a pure dict of part of ``tree``'s paths) into ``tree``."""
+    for path, value in _flat(values):
+        parent = tree
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = value
+
+
+def open_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any = None, step: int | None = None,
+                     skip_multimodal: bool = False, remat: str | None = None, allow_config_mismatch: bool = False,
+                     lora_rules: list[dict] | None = None, seed: int = 0) -> TunixModelPlan:
+    """Plan the family's Tunix model of ``src`` (HF directory or ckptbridge Orbax checkpoint): the
+    checkpoint is opened and validated, nothing is read yet. ``lora_rules``
+    ([{module_path, rank, alpha[, dropout]}, ...]) add qwix LoRA (initialised from ``seed``, as
+    :func:`apply_lora_rules` does). See :func:`load_tunix_model` for the other parameters."""
+    from ckptbridge.sources import open_model_source
+
+    source = open_model_source(src, step=step, skip_multimodal=skip_multimodal)
+    try:
+        pdtype = np.dtype(param_dtype) if param_dtype is not None else source.dtype(source.entries[0])
+        tcfg = tunix_model_config(source.cfg, dtype=dtype, param_dtype=pdtype, remat=remat,
+                                  allow_config_mismatch=allow_config_mismatch)
+        return TunixModelPlan(src, source.cfg, source.spec, tcfg, pdtype, mesh, lora_rules, seed, source=source)
+    except BaseException:
+        source.close()
+        raise
+
+
+def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any = None,
+                     step: int | None = None, skip_multimodal: bool = False, remat: str | None = None,
+                     allow_config_mismatch: bool = False, workers: int | None = None, progress: bool | None = False):
+    """The family's Tunix model with the weights of ``src`` (HF directory or ckptbridge Orbax checkpoint).
+
+    Parameters keep the source dtype unless ``param_dtype`` is given; ``dtype`` is the compute
+    dtype (default float32). With ``mesh``, each parameter is placed with Tunix's own sharding
+    annotation as it is loaded. Returns ``(model, model_config)``.
+    """
+    with open_tunix_model(src, mesh=mesh, dtype=dtype, param_dtype=param_dtype, step=step,
+                          skip_multimodal=skip_multimodal, remat=remat,
+                          allow_config_mismatch=allow_config_mismatch) as plan:
+        return plan.load(workers=workers, progress=progress), plan.config
 
 
 def apply_lora_rules(model, rules: list[dict], *, seed: int = 0):
     """Wrap a Tunix model with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]).
     A rule with dropout > 0 drops LoRA inputs on every call (training only); its random stream is
-    the model's ``qwix_rngs`` attribute (see :func:`ckptbridge.qwix_lora.dropout_stream`)."""
+    the model's ``qwix_rngs`` attribute (see :func:`ckptbridge.qwix_lora.dropout_stream`). qwix
+    traces one forward of a few tokens to find the modules: to build a model with LoRA without
+    running it op by op, give the rules to :func:`open_tunix_model` instead."""
     import jax.numpy as jnp
 
     t = tunix_spec(family_of_model(model)).trace_tokens

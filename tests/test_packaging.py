@@ -93,3 +93,64 @@ def test_missing_extras_say_which(core_venv, checkpoints, tmp_path, argv, extra)
     assert cli.returncode == 8, cli.stderr
     assert f"pip install 'ckptbridge[{extra}]'" in cli.stderr and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
     assert not any(os.path.exists(a) for a in args if a.startswith(str(tmp_path)))
+
+
+# What only torch or peft install: a train-only environment has none of them.
+TORCH_SIDE = ("torch", "torchgen", "functorch", "peft", "nvidia", "triton", "accelerate")
+
+
+def _torch_side(entry: str) -> bool:
+    name = entry.split("-")[0].split(".")[0].lower()
+    return name in TORCH_SIDE or name.startswith(("nvidia_", "torch_", "_torch"))
+
+
+@pytest.fixture(scope="module")
+def train_venv(tmp_path_factory):
+    """A virtual environment holding the project's environment (.venv) less torch, peft and what
+    only they bring: every other entry of its site-packages linked in (its .pth files too, so
+    ckptbridge is the same editable install)."""
+    import glob
+    import sysconfig
+
+    venv = str(tmp_path_factory.mktemp("train-only") / "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    target = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))[0]
+    source = sysconfig.get_paths()["purelib"]
+    for entry in os.listdir(source):
+        if not _torch_side(entry) and not os.path.exists(os.path.join(target, entry)):
+            os.symlink(os.path.join(source, entry), os.path.join(target, entry))
+    return venv
+
+
+def test_train_extra_resolves_without_torch_or_peft(tmp_path):
+    """``pip install 'ckptbridge[train]'`` (the JAX side: what a TPU VM installs) resolves
+    without torch or peft; the verify extra still asks for them."""
+    report = tmp_path / "report.json"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+                          "--disable-pip-version-check", "--report", str(report), "-c",
+                          os.path.join(ROOT, "requirements", "core.lock"), f"{ROOT}[train]"],
+                         capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    names = {i["metadata"]["name"].lower() for i in json.load(open(report))["install"]}
+    assert {"jax", "flax", "google-tunix", "qwix", "grain", "optax", "orbax-checkpoint"} <= names
+    assert not names & {"torch", "peft"}, sorted(names & {"torch", "peft"})
+    from ckptbridge import deps
+
+    assert {"torch", "peft"} <= {r.name for r in deps.declared()["verify"]}
+
+
+def test_training_runs_without_torch_or_peft(train_venv, checkpoints, tmp_path):
+    """In an environment without torch and peft, ``python -m training`` trains and checkpoints
+    (a TPU VM's install); ``ckptbridge env`` says train is usable and verify is not."""
+    py = os.path.join(train_venv, "bin", "python")
+    probe = subprocess.run([py, "-c", "import torch"], capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr
+    out = tmp_path / "run"
+    r = subprocess.run([py, "-m", "training", "--preset", "tiny-cpu", "--base", checkpoints["keqv_lm_f32_sharded"],
+                        "--out", str(out), "--max-steps", "2", "--quiet", "max_length=256"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["steps"] == 2 and os.listdir(out / "checkpoints")
+    env = subprocess.run([py, "-m", "ckptbridge.cli", "env", "--json"], capture_output=True, text=True, cwd=ROOT)
+    extras = json.loads(env.stdout)["extras"]
+    assert extras["train"]["usable"] and not extras["verify"]["usable"], extras

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True, help="HF base model directory (with tokenizer and chat template), or its "
                    "Hub id (ORG/NAME[@REV]: from the Hugging Face cache, downloaded where needed)")
     p.add_argument("--data", default=SAMPLE_DATA, help="training rows, jsonl (default: the bundled sample)")
-    p.add_argument("--out", required=True, help="run directory (config, metrics, checkpoints); re-use to resume")
+    p.add_argument("--out", help="run directory (config, metrics, checkpoints); re-use to resume (required but with "
+                   "--dry-run)")
     p.add_argument("--config", help="YAML or JSON file of settings")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--no-packing", action="store_true", help="one example per row, padded (the paper's setup)")
@@ -44,12 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train even where Tunix's model of the base's family computes another model than "
                         "transformers (e.g. a RoPE theta or scaling it ignores); default: stop and say what differs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="read no weights and train nothing: compile the step programs from the base's config.json "
+                        "(it may be all the directory holds) and print, as JSON, the memory each needs per device "
+                        "and whether it fits")
+    p.add_argument("--topology", metavar="TPU", help="with --dry-run: compile for this TPU slice without its chips, "
+                   "e.g. v5p:2x2x1 (a v5p-8) or v5e:1x1 (needs libtpu: pip install 'jax[tpu]')")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. rank=16 learning_rate=2e-4")
     return p
 
 
+def _fit_line(report: dict) -> str:
+    where = f"{report['devices']} x {report['device_kind']}"
+    if report.get("programs") is None:
+        return f"training: the step does not fit {where}: {report.get('compiler')}"
+    peak = report["step_peak_bytes"] / 1e9
+    limit = report.get("device_memory_bytes")
+    if limit is None:
+        return f"training: the step needs {peak:.2f} GB per device on {where} (its memory is not known)"
+    verdict = "fits" if report["fits"] else "does not fit"
+    return f"training: the step needs {peak:.2f} GB per device of {limit / 1e9:.2f} GB: {verdict} {where}"
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.topology and not args.dry_run:
+        parser.error("--topology compiles for chips that are not here: use it with --dry-run")
+    if not args.dry_run and not args.out:
+        parser.error("--out is required (the run directory), except with --dry-run")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     for name in ("absl", "jax", "orbax", "transformers", "tunix", "grain"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -70,9 +94,16 @@ def main(argv=None) -> int:
         from training.mesh import init_distributed
         from training.trainer import train
 
-        init_distributed()
         from ckptbridge import hub
 
+        if args.dry_run:
+            from training.trainer import dry_run
+
+            report = dry_run(cfg, base=hub.local(args.base, hub.MODEL, what="base model"), topology=args.topology)
+            print(json.dumps(report, indent=2))
+            print(_fit_line(report), file=sys.stderr)
+            return 0
+        init_distributed()
         summary = train(cfg, base=hub.local(args.base, hub.MODEL, what="base model"), data_path=args.data, out=args.out,
                         progress=False if args.quiet else None)
     except CkptBridgeError as e:

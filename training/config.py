@@ -4,8 +4,11 @@ Presets:
 
 * ``gemma4-31b-v5p8``: the paper's recipe on a TPU v5p-8 (4 chips): LoRA rank 64, alpha 64,
   dropout 0.05; AdamW lr 1e-4, 100 warmup steps, cosine to 0, weight decay 0.001; micro-batch 1
-  x accumulation 8; max length 3072; checkpoint every 100 steps, keep 3; mesh fsdp=1 tp=4;
-  remat per decoder layer; bf16.
+  x accumulation 8; max length 3072; checkpoint every 100 steps, keep 3; mesh fsdp=1 tp=4; bf16;
+  remat per decoder layer keeping the projections' outputs (``decoder_dots``, training/remat.py):
+  the backward pass recomputes attention and activations only, for 0.43 GB a layer at 3072
+  tokens (split over tp), which the v5p's 95 GB per chip hold many times over; one v5e chip
+  (16 GB) holds the step of 8 such layers (remat=decoder: more layers, a slower step).
 * ``tiny-cpu``: the same code path with small numbers, for a laptop CPU and the tests (rank 8,
   lr 3e-3, micro-batch 1 x accumulation 4, float32, no remat; max length 3072 as in the paper).
 
@@ -25,6 +28,7 @@ from typing import Any
 
 from ckptbridge.errors import ConfigError
 from ckptbridge.specs import FAMILIES
+from training.remat import REMAT
 
 # the paper's recipe, plus k_einsum (see above)
 PAPER_TARGETS = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gate_proj", "up_proj", "down_proj")
@@ -61,11 +65,15 @@ class TrainConfig:
     # hardware
     fsdp: int = 1
     tp: int = 4
-    remat: str = "decoder"  # none | block | decoder
+    remat: str = "decoder"  # what a layer keeps for the backward pass: see training/remat.py
     param_dtype: str = "bfloat16"
     dtype: str = "bfloat16"
     usd_per_hour: float = 16.80  # TPU v5p-8 on-demand rate used by the paper's cost figures
     xla_flags: str = "--xla_llvm_disable_expensive_passes=true"
+    # loading the base: threads reading and rearranging its tensors (none: the usable cores) and the
+    # host bytes they may hold ahead of the chip
+    load_workers: int | None = None
+    load_memory_budget: str = "2GiB"
     # JAX's persistent compilation cache: "" = RUN_DIR/compile_cache, a directory (one shared by
     # runs of the same shapes), or "off"; a resumed run loads its programs instead of compiling
     compile_cache: str = ""
@@ -89,7 +97,7 @@ class TrainConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "gemma4-31b-v5p8": dict(targets=PAPER_TARGETS),
+    "gemma4-31b-v5p8": dict(targets=PAPER_TARGETS, remat="decoder_dots"),
     "tiny-cpu": dict(
         rank=8, alpha=16.0, dropout=0.0, learning_rate=3e-3, warmup_steps=2, micro_batch=1, grad_accum=4,
         checkpoint_every=10, keep_checkpoints=3, fsdp=1, tp=1,
@@ -174,6 +182,15 @@ def known_targets() -> set[str]:
     return {t for spec in FAMILIES.values() for t in spec.lora_targets}
 
 
+def _size_ok(text: str) -> bool:
+    from ckptbridge import options
+
+    try:
+        return options.parse_size(text) > 0
+    except Exception:  # any unparsable size
+        return False
+
+
 def validate(cfg: TrainConfig) -> None:
     checks = [
         (cfg.rank >= 1, "rank must be >= 1"),
@@ -183,11 +200,13 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.max_length >= 8, "max_length must be >= 8"),
         (cfg.loss_chunk >= 0, "loss_chunk must be >= 0 (0: the whole sequence at once)"),
         (cfg.fsdp >= 1 and cfg.tp >= 1, "fsdp and tp must be >= 1"),
-        (cfg.remat in ("none", "block", "decoder"), "remat must be none, block or decoder"),
+        (cfg.remat in REMAT, f"remat must be one of {', '.join(REMAT)}"),
         (cfg.checkpoint_every >= 1 and cfg.keep_checkpoints >= 1, "checkpoint_every and keep_checkpoints must be >= 1"),
         (cfg.max_steps is None or cfg.max_steps >= 1, "max_steps must be >= 1"),
         (set(cfg.targets) <= known_targets(), "targets must be qwix LoRA targets of a family: "
          f"{', '.join(sorted(known_targets()))} (empty: all of the base's family)"),
+        (cfg.load_workers is None or cfg.load_workers >= 1, "load_workers must be >= 1 (none: the usable cores)"),
+        (_size_ok(cfg.load_memory_budget), f"load_memory_budget {cfg.load_memory_budget!r}: a size such as 2GiB"),
         (cfg.param_dtype in ("float32", "bfloat16") and cfg.dtype in ("float32", "bfloat16"),
          "param_dtype and dtype must be float32 or bfloat16"),
     ]

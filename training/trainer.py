@@ -34,10 +34,14 @@ def lm_loss(model, batch: dict, loss_chunk: int = 0):
 
     ``loss_chunk`` = 0: from the forward's logits (batch x sequence x vocab in float32 at once).
     ``loss_chunk`` = C > 0: the model (prepared by ``keep_hidden_states``) gives its final hidden
-    states, and the output head, log-softmax and NLL run on C positions at a time, each chunk
-    rematerialised in the backward pass: at most batch x C x vocab logits are alive, whatever the
-    sequence. The same loss and gradients up to float32 summation order.
+    states, and the output head, log-softmax and NLL run on C positions at a time
+    (:func:`chunked_nll`): at most batch x C x vocab logits are alive, whatever the sequence, and
+    each chunk's gradient is taken as it is computed, so the head runs once forward and once
+    backward (no second forward to rematerialise it). The same loss and gradients up to float32
+    summation order. The output head's weights are frozen (LoRA never targets it): only the hidden
+    states get its gradient.
     """
+    import jax
     import jax.numpy as jnp
 
     from ckptbridge.tunix_model import forward, hidden_states
@@ -47,12 +51,34 @@ def lm_loss(model, batch: dict, loss_chunk: int = 0):
     valid = (lm[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
     count = valid.sum()
     targets = tokens[:, 1:]
+    denominator = jnp.maximum(count, 1)
     if loss_chunk:
-        total = chunked_nll(model, hidden_states(model, tokens, pos, mask)[:, :-1], targets, valid, loss_chunk)
-    else:
-        logits = forward(model, tokens, pos, mask)
-        total = jnp.where(valid, _nll(logits[:, :-1], targets), 0.0).sum()
-    return total / jnp.maximum(count, 1), count
+        h = hidden_states(model, tokens, pos, mask)[:, :-1]
+        # d(loss)/d(total NLL) is 1 / count: each chunk's gradient is taken with it, as autodiff would
+        total, dh = chunked_nll(model, jax.lax.stop_gradient(h), targets, valid, loss_chunk, 1.0 / denominator)
+        return _with_gradient(jax.lax.stop_gradient(total) / denominator, h, dh), count
+    logits = forward(model, tokens, pos, mask)
+    total = jnp.where(valid, _nll(logits[:, :-1], targets), 0.0).sum()
+    return total / denominator, count
+
+
+def _with_gradient(value, h, dh):
+    """``value``, whose gradient with respect to ``h`` is ``dh`` (computed already)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def attach(value, h, dh):
+        return value
+
+    def fwd(value, h, dh):
+        return value, dh
+
+    def bwd(dh, ct):
+        return jnp.zeros_like(ct), (ct * dh).astype(dh.dtype), jnp.zeros_like(dh)
+
+    attach.defvjp(fwd, bwd)
+    return attach(value, h, dh)
 
 
 def _nll(logits, targets):
@@ -63,9 +89,11 @@ def _nll(logits, targets):
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def chunked_nll(model, h, targets, valid, chunk: int):
-    """Sum of the NLL of ``targets`` (B, T) where ``valid``, from final hidden states ``h`` (B, T, D)
-    through ``model``'s output head, ``chunk`` positions at a time (a scan of rematerialised steps)."""
+def chunked_nll(model, h, targets, valid, chunk: int, cotangent):
+    """The sum of the NLL of ``targets`` (B, T) where ``valid``, from final hidden states ``h``
+    (B, T, D) through ``model``'s output head, ``chunk`` positions at a time (a scan), and its
+    gradient with respect to ``h`` times ``cotangent`` (B, T, D, in ``h``'s dtype), each chunk's
+    taken right after its forward. Not differentiated itself: :func:`lm_loss` gives ``h`` that gradient."""
     import jax
     import jax.numpy as jnp
 
@@ -81,15 +109,14 @@ def chunked_nll(model, h, targets, valid, chunk: int):
     parts = (h.reshape(b, n, chunk, d).swapaxes(0, 1), targets.reshape(b, n, chunk).swapaxes(0, 1),
              valid.reshape(b, n, chunk).swapaxes(0, 1))
 
-    @jax.checkpoint
-    def one(h_c, t_c, v_c):
-        return jnp.where(v_c, _nll(head(model, h_c), t_c), 0.0).sum()
-
     def step(total, part):
-        return total + one(*part), None
+        h_c, t_c, v_c = part
+        nll, vjp = jax.vjp(lambda x: jnp.where(v_c, _nll(head(model, x), t_c), 0.0).sum(), h_c)
+        (dh_c,) = vjp(jnp.asarray(cotangent, nll.dtype))
+        return total + nll, dh_c
 
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), parts)
-    return total
+    total, dh = jax.lax.scan(step, jnp.zeros((), jnp.float32), parts)
+    return total, dh.swapaxes(0, 1).reshape(b, n * chunk, d)[:, :t]
 
 
 @dataclasses.dataclass
@@ -119,26 +146,37 @@ class Run:
         return os.path.join(self.root, "loss.png")
 
     @property
+    def sessions(self) -> str:
+        return os.path.join(self.root, "sessions.jsonl")
+
+    @property
     def compile_cache(self) -> str:
         return os.path.join(self.root, "compile_cache")
 
 
 def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bool | None = None) -> dict:
-    """Train (or resume) a LoRA run. Returns the summary written to ``out/run.json``."""
+    """Train (or resume) a LoRA run. Returns the summary written to ``out/run.json``.
+
+    Start-up: the model is planned from the base's config (shapes, shardings, qwix LoRA), the two
+    step programs (:mod:`training.step`) are compiled from that plan on another thread while the
+    base weights stream onto the mesh, and the first step waits for whichever ends last."""
+    import concurrent.futures
+
     import jax
-    import optax
+    import orbax.checkpoint as ocp
     from flax import nnx
     from transformers import AutoTokenizer
     from tunix.sft.checkpoint_manager import CheckpointManager
 
-    import orbax.checkpoint as ocp
-    from ckptbridge import qwix_lora
     from ckptbridge.lora import open_base
-    from ckptbridge.tunix_model import apply_lora_rules, check_config, keep_hidden_states, load_tunix_model
+    from ckptbridge.tunix_model import check_config, open_tunix_model
     from training import compiles, throughput
+    from training import step as step_lib
     from training.mesh import make_mesh
+    from training.remat import tunix_remat
 
     t_start = time.perf_counter()
+    phases = {"before_train": _process_age()}  # seconds of this session's start, by phase
     compiles.watch()
     run = Run(out)
     base_info = open_base(base)
@@ -156,6 +194,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         log.info("setting %s = %s", key, value)
 
     # data
+    t_data = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = data_lib.read_rows(data_path)
     encoded = data_lib.encode_rows(tokenizer, rows, cfg.max_length)
@@ -174,35 +213,55 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
              encoded.dropped_too_long, cfg.max_length, encoded.dropped_empty, encoded.tokens, micro_batches,
              total_steps, real_tokens / max(1, micro_batches * cfg.micro_batch * cfg.max_length))
 
-    # model
+    # model: planned, programs compiled from the plan while the weights load
+    phases["data"] = time.perf_counter() - t_data
+    t_plan = time.perf_counter()
     mesh = make_mesh(cfg.fsdp, cfg.tp, base_info.cfg)
     if base_info.cfg.towers:
         log.info("base has %s towers: training the text model (Tunix builds it alone)", ", ".join(base_info.cfg.towers))
-    model, _ = load_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
-                                remat=None if cfg.remat == "none" else cfg.remat, skip_multimodal=True,
-                                allow_config_mismatch=cfg.allow_config_mismatch)
+    tx, schedule = step_lib.optimizer_of(cfg, total_steps)
     rules = [dict(r, dropout=cfg.dropout) for r in lora_rules]
-    model = apply_lora_rules(model, rules, seed=cfg.seed)
-    if cfg.loss_chunk:
-        keep_hidden_states(model)
-    replaced, total = qwix_lora.fix_lora_shardings(model, mesh)
-    dropout_rngs = qwix_lora.dropout_stream(model, cfg.seed) if cfg.dropout > 0 else None
+    batch_sharding = step_lib.batch_sharding(mesh, cfg.micro_batch)
+    compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+    with open_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                          remat=tunix_remat(cfg.remat), skip_multimodal=True,
+                          allow_config_mismatch=cfg.allow_config_mismatch, lora_rules=rules, seed=cfg.seed) as plan:
+        planned = step_lib.plan_step(plan, cfg, tx, batch_sharding)
+        graphdef, opt_graphdef, shardings = planned.graphdef, planned.opt_graphdef, planned.shardings
+        lora_a, frozen_a, opt_a = planned.abstract.lora, planned.abstract.frozen, planned.abstract.opt
+        programs_future = compiler.submit(_compile, planned, cfg, schedule)
+        replaced, total = plan.lora_annotations
+        phases["plan"] = time.perf_counter() - t_plan
+        t_load = time.perf_counter()
+        try:
+            model = plan.load(workers=cfg.load_workers, memory_budget=cfg.load_memory_budget, progress=progress)
+        except BaseException:
+            programs_future.cancel()
+            compiler.shutdown(wait=True)
+            raise
+        load_seconds = time.perf_counter() - t_load
+        weights_bytes = plan.weights_bytes()
+    log.info("base loaded in %.1f s (%.2f GB, %.2f GB/s)", load_seconds, weights_bytes / 1e9,
+             weights_bytes / 1e9 / max(load_seconds, 1e-9))
+    model = step_lib.for_training(model, cfg, base_info.cfg)
     log.info("mesh %s; LoRA factors: %d of %d sharded over it, %d replicated (their base annotation does not "
              "fit them)", dict(mesh.shape), total - replaced, total, replaced)
-    lora_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    lora_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lora_a))
     flops = throughput.lora_step_flops(base_info.cfg, base_info.spec, cfg.max_length, lora_params)
     chip = jax.devices()[0].device_kind
     peak = throughput.chip_peak_tflops(chip)
     log.info("model FLOPs per token %.3g (matmul weights %.3g, attention %.3g, LoRA %.3g); %d x %s%s",
              flops.total, flops.weights, flops.attention, flops.lora, mesh.devices.size, chip,
              f" at {peak:g} TFLOP/s bf16 each" if peak else " (no peak known: no MFU)")
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=min(cfg.warmup_steps, total_steps),
-        decay_steps=max(total_steps, cfg.warmup_steps + 1), end_value=0.0)
-    tx = optax.adamw(schedule, weight_decay=cfg.weight_decay)
-    if cfg.max_grad_norm:
-        tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), tx)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+
+    t_restore = time.perf_counter()  # the optimizer made, and the latest checkpoint restored
+    _, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+    def init_optimizer(lora, frozen):
+        return nnx.state(step_lib.new_optimizer(nnx.merge(graphdef, lora, frozen), tx))
+
+    optimizer = nnx.merge(opt_graphdef, jax.jit(init_optimizer, in_shardings=(shardings["lora"], shardings["frozen"]),
+                                                out_shardings=shardings["opt"])(lora, frozen))
 
     manager = CheckpointManager(os.path.abspath(run.checkpoints), options=ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, create=True, enable_async_checkpointing=False))
@@ -213,34 +272,19 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         log.info("resumed from step %d (%d tokens seen)", step, tokens_seen)
         _truncate_metrics(run.metrics, step)
     iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args), state.data_state)
-    # Every variable on its annotated sharding before the first step, where apply_step leaves them
-    # after each: a freshly built or restored optimizer holds its scalars (step and Adam counts)
-    # unplaced, and the second step would otherwise see other input shardings and compile again.
-    placed = nnx.state((model, optimizer))
-    nnx.update((model, optimizer), jax.device_put(placed, nnx.get_named_sharding(placed, mesh)))
-    del placed
+    # the programs' arguments, each on the sharding it was compiled with
+    _, lora, frozen, _, opt = step_lib.split(model, optimizer)
+    for name, real, want in (("LoRA factors", lora, lora_a), ("frozen state", frozen, frozen_a),
+                             ("optimizer state", opt, opt_a)):
+        if jax.tree.structure(real) != jax.tree.structure(want):
+            raise RuntimeError(f"the loaded model's {name} differ from the planned ones the step was compiled for")
+    args = step_lib.StepState(jax.device_put(lora, shardings["lora"]), frozen, jax.device_put(opt, shardings["opt"]),
+                              step_lib.zeros_like(lora, shardings["acc"]))
 
-    @nnx.jit
-    def grad_step(model, batch):
-        grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
-        (loss, count), grads = grad_fn(model, batch, cfg.loss_chunk)
-        return loss, count, grads
-
-    @nnx.jit
-    def apply_step(model, optimizer, acc, n):
-        # one program per step: eager op-by-op work on sharded arrays (e.g. a global norm)
-        # dispatches many small programs with collectives, which can deadlock CPU device threads
-        grads = jax.tree.map(lambda g: g / n, acc)
-        grad_norm = optax.global_norm(grads)
-        optimizer.update(model, grads)
-        # keep every variable on its annotated sharding, so that the next step's programs see the
-        # same layouts (no recompilation, no drift of the base weights' placement)
-        state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
-        return grad_norm
-
-    add = jax.jit(lambda a, b: jax.tree.map(lambda x, y: x + y, a, b))
-    batch_sharding = _batch_sharding(mesh, cfg.micro_batch)
+    def sync_objects() -> None:
+        """The model and optimizer objects (what checkpoints save) hold the programs' latest outputs."""
+        nnx.update(model, args.lora)
+        nnx.update(optimizer, args.opt)
 
     def metadata(step: int) -> dict:
         return {KEY: Metadata(
@@ -249,34 +293,48 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
             data_state=iterator.get_state(), tunix_version=installed_tunix_version(),
         ).to_json()}
 
+    phases["restore"] = time.perf_counter() - t_restore
+    t_wait = time.perf_counter()
+    try:
+        programs = programs_future.result()
+    finally:
+        compiler.shutdown(wait=True)
+    compile_wait = time.perf_counter() - t_wait
+    memory = _memory_report(programs, weights_bytes, step_lib.nbytes(args.lora), step_lib.nbytes(args.opt))
+    log.info("%s", _memory_line(memory))
+    startup = compiles.totals()
+    log.info("compiled %s; waited %.1f s for compilation after the load", ", ".join(
+        f"{name} {row['seconds']:.1f} s" + (" (from the cache)" if row["cache_hits"] else "")
+        for name, row in startup.by_program().items() if row["seconds"] >= 0.05) or "nothing", compile_wait)
+
     bar = _progress(total_steps, step, progress)
     seq_tokens = cfg.micro_batch * cfg.max_length
     first_step_seconds = None  # from the start of this session to the end of its first step
+    start_step = step
     with open(run.metrics, "a") as metrics_file:
         while step < total_steps:
             t0 = time.perf_counter()
             compiled_before = compiles.totals()
-            acc, losses, real, loss_tokens = None, [], 0, 0
+            losses, real, loss_tokens = [], 0, 0
             for micro in range(cfg.grad_accum):
                 try:
                     host = next(iterator)
                 except StopIteration:
                     break
-                if dropout_rngs is not None:
-                    qwix_lora.reseed(dropout_rngs, cfg.seed, step * cfg.grad_accum + micro)
                 real += int((host["segment_ids"] > 0).sum())
                 batch = jax.device_put({k: np.asarray(v, np.int32) for k, v in host.items()}, batch_sharding)
-                loss, count, grads = grad_step(model, batch)
-                acc = grads if acc is None else add(acc, grads)
-                losses.append(float(loss))
+                args.acc, loss, count = programs.grad(args.lora, args.frozen, args.acc, batch,
+                                                      np.int32(step * cfg.grad_accum + micro))
+                losses.append(loss)
                 loss_tokens += int(count)
-            if acc is None:
+            if not losses:
                 break
-            lr = float(schedule(step))
-            grad_norm = float(apply_step(model, optimizer, acc, np.float32(len(losses))))
+            args.lora, args.opt, args.acc, grad_norm, lr = programs.apply(args.lora, args.frozen, args.opt, args.acc,
+                                                                          np.float32(len(losses)))
             # finish this step before the next is dispatched: step times are then real, and
             # programs with collectives never overlap (which can deadlock CPU device threads)
-            jax.block_until_ready(nnx.state(model, nnx.LoRAParam))
+            grad_norm, lr = float(grad_norm), float(lr)
+            losses = [float(x) for x in losses]
             step += 1
             tokens_seen += real
             dt = time.perf_counter() - t0
@@ -287,22 +345,140 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                       "tokens_seen": tokens_seen, "compiles": compiled.compiles,
                       "compile_seconds": round(compiled.seconds, 3), "compile_cache_hits": compiled.cache_hits,
                       "since_start_seconds": round(time.perf_counter() - t_start, 3),
-                      "mfu": throughput.mfu(flops.total, real / dt, mesh.devices.size, peak)}
-            if first_step_seconds is None:
+                      "mfu": throughput.mfu(flops.total, real / dt, mesh.devices.size, peak),
+                      "session_step": step - start_step}
+            if compiled.compiles:
+                record["compiled_programs"] = sorted(compiled.programs)
+                log.warning("step %d compiled %s: every program should be compiled before the first step", step,
+                            ", ".join(sorted(compiled.programs)))
+            new_session = first_step_seconds is None
+            if new_session:
                 first_step_seconds = record["since_start_seconds"]
+                launch = _process_age()
+                if launch is not None:
+                    record["since_launch_seconds"] = round(launch, 3)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            if new_session:  # what this session's start cost, kept even if it is killed later
+                session = {"resumed_from_step": start_step, "launch_to_first_step_seconds": record.get(
+                    "since_launch_seconds"), "start_to_first_step_seconds": first_step_seconds,
+                    "load_seconds": round(load_seconds, 3),
+                    "load_gb_per_s": round(weights_bytes / 1e9 / max(load_seconds, 1e-9), 3),
+                    "compile_wait_seconds": round(compile_wait, 3), "programs": compiles.totals().by_program(),
+                    "memory": memory, "device_peak_bytes_after_first_step": _peak_memory(), "first_step": record,
+                    "phases": {k: round(v, 3) for k, v in {**phases, "load": load_seconds, "compile_wait": compile_wait,
+                                                           "first_step": record["seconds"]}.items() if v is not None}}
+                with open(run.sessions, "a") as f:
+                    f.write(json.dumps(session) + "\n")
             _report(bar, record, cfg.log_every, total_steps)
             if step % cfg.checkpoint_every == 0 or step == total_steps:
+                sync_objects()
                 manager.save(step, model, optimizer, save_only_lora_params=True, force=True,
                              custom_metadata=metadata(step))
     if bar is not None:
         bar.close()
+    sync_objects()
     manager.close()
+    memory["device_peak_bytes"] = _peak_memory()
     hardware = {"chip": chip, "chips": int(mesh.devices.size), "peak_tflops_per_chip": peak,
-                "flops_per_token": flops.total, "peak_memory_bytes": _peak_memory()}
-    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start, first_step_seconds, hardware)
+                "flops_per_token": flops.total, "peak_memory_bytes": memory["device_peak_bytes"]}
+    first = next((r for r in read_metrics(run.metrics) if r.get("session_step") == 1 and r["step"] == start_step + 1),
+                 {})
+    session = {"launch_to_first_step_seconds": first.get("since_launch_seconds"), "load_seconds": round(load_seconds, 3),
+               "load_gb_per_s": round(weights_bytes / 1e9 / max(load_seconds, 1e-9), 3),
+               "compile_wait_seconds": round(compile_wait, 3), "programs": compiles.totals().by_program(),
+               "memory": memory}
+    summary = _summarize(run, cfg, encoded, total_steps, time.perf_counter() - t_start, first_step_seconds, hardware,
+                         session)
     return summary
+
+
+def _compile(planned, cfg: TrainConfig, schedule):
+    """The step programs, with the chip's memory exceeded said in one line."""
+    from ckptbridge.errors import ConfigError
+
+    try:
+        return planned.compile(cfg, schedule)
+    except Exception as e:
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "exceeds" in text and "memory" in text.lower():
+            first = next((line.strip() for line in text.splitlines() if line.strip()), text)
+            raise ConfigError(f"the train step does not fit the device memory ({first[:300]}); lower max_length or "
+                              "micro_batch, use remat=decoder, or spread the model over more chips (fsdp, tp)") from None
+        raise
+
+
+def _memory_report(programs, weights: int, lora: int, opt: int) -> dict:
+    """What XLA's analysis says each step program needs on one device, and what holds it."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"programs": programs.memory, "step_peak_bytes": programs.peak_bytes(), "weights_bytes": weights,
+            "lora_bytes": lora, "optimizer_bytes": opt, "device_limit_bytes": stats.get("bytes_limit")}
+
+
+def _memory_line(memory: dict) -> str:
+    grad = memory["programs"].get("train_grad_step", {})
+    limit = memory.get("device_limit_bytes")
+    gb = lambda n: f"{(n or 0) / 1e9:.2f} GB"  # noqa: E731
+    return (f"memory per device: base weights {gb(memory['weights_bytes'])}, LoRA {gb(memory['lora_bytes'])} + "
+            f"optimizer {gb(memory['optimizer_bytes'])}; grad step {gb(grad.get('peak_bytes'))} (temporaries "
+            f"{gb(grad.get('temp'))})" + (f" of {gb(limit)}" if limit else ""))
+
+
+def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict:
+    """Plan the run and compile its step programs from the base's config alone (no weight or data
+    read; the base may be a directory with its config.json only), for the devices here or for a
+    TPU slice named by ``topology`` (ahead of time, without its chips). Returns what XLA says each
+    program needs per device and whether that fits the device's memory."""
+    import jax
+
+    from ckptbridge.errors import ConfigError
+    from ckptbridge.lora import open_base
+    from ckptbridge.tunix_model import check_config
+    from training import compiles, step as step_lib
+    from training.mesh import device_memory, make_mesh, topology_devices
+
+    compiles.watch()
+    if cfg.compile_cache not in ("", "off"):  # a shared cache (compile_cache=DIR): what a run compiled is loaded
+        compiles.use_cache(cfg.compile_cache)
+    info = open_base(base)
+    check_config(info.cfg, cfg.allow_config_mismatch, warn=False)
+    devices = topology_devices(topology) if topology else jax.devices()
+    mesh = make_mesh(cfg.fsdp, cfg.tp, info.cfg, devices)
+    limit, limit_source = device_memory(devices[0])
+    report = {"base": os.path.abspath(base), "layers": info.cfg.num_layers, "max_length": cfg.max_length,
+              "micro_batch": cfg.micro_batch, "rank": cfg.rank, "remat": cfg.remat,
+              "device_kind": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
+              "device_memory_bytes": limit, "device_memory_source": limit_source}
+    t = time.perf_counter()
+    try:
+        programs, plan = step_lib.analyze(info.cfg, cfg, mesh, cfg.lora_rules(info.spec.lora_targets))
+    except ConfigError:
+        raise
+    except Exception as e:
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+            raise
+        line = next((ln.strip() for ln in text.splitlines() if "memory" in ln.lower()), text.splitlines()[0])
+        return {**report, "fits": False, "compiler": line[:400], "compile_seconds": round(time.perf_counter() - t, 1)}
+    report.update(
+        weights_bytes=plan.weights_bytes(), programs=programs.memory, step_peak_bytes=programs.peak_bytes(),
+        fits=None if limit is None else programs.peak_bytes() <= limit,
+        compile_seconds=round(time.perf_counter() - t, 1), compiled=compiles.totals().by_program())
+    return report
+
+
+def _process_age() -> float | None:
+    """Seconds since this process was started (Linux: /proc), or None where it is not known."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _check_same_run(run: Run, settings: dict) -> None:
@@ -319,13 +495,6 @@ def _check_same_run(run: Run, settings: dict) -> None:
 
         raise ConfigError(f"{run.root}: holds a run with other settings ({', '.join(changed)}); "
                           "use a new --out directory to start another run")
-
-
-def _batch_sharding(mesh, micro_batch: int):
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    axis = "fsdp" if micro_batch % mesh.shape["fsdp"] == 0 else None
-    return NamedSharding(mesh, PartitionSpec(axis))
 
 
 def _truncate_metrics(path: str, step: int) -> None:
@@ -380,9 +549,10 @@ def _peak_memory() -> int | None:
 
 
 def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: float,
-               first_step_seconds: float | None, hardware: dict) -> dict:
+               first_step_seconds: float | None, hardware: dict, session: dict) -> dict:
     records = read_metrics(run.metrics) if os.path.isfile(run.metrics) else []
-    steady_steps = [r for r in records if not r.get("compiles")]  # steps that compiled nothing
+    # steps that compiled nothing, after each session's first (which loads its programs onto the chip)
+    steady_steps = [r for r in records if not r.get("compiles") and r.get("session_step", 2) > 1]
     steady = [r["tokens_per_s"] for r in steady_steps]
     steady_mfu = [r["mfu"] for r in steady_steps if r.get("mfu") is not None]
     tokens = sum(r["tokens"] for r in records)
@@ -401,8 +571,9 @@ def _summarize(run: Run, cfg: TrainConfig, encoded, total_steps: int, wall: floa
         "steady_step_seconds": float(np.median([r["seconds"] for r in steady_steps])) if steady_steps else None,
         "steady_mfu": float(np.median(steady_mfu)) if steady_mfu else None,
         **hardware,
-        "compile_seconds": round(sum(r.get("compile_seconds", 0.0) for r in records), 3),
+        "compile_seconds": round(sum(p["seconds"] for p in session["programs"].values()), 3),
         "first_step_seconds_this_session": first_step_seconds,
+        **session,
         "wall_seconds_this_session": wall,
         "usd_per_hour": cfg.usd_per_hour,
         "cost_usd": cfg.usd_per_hour * train_seconds / 3600,

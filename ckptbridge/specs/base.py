@@ -180,6 +180,8 @@ class TunixModel:
         that a loss can run it on parts of a sequence (the same logits, bit for bit: tested).
       final_norm: the attribute of the model holding that last norm (called once per forward,
         right before the head).
+      layers: the attribute of the model holding its decoder layers (a list of modules, each
+        called once per forward).
     """
 
     module: str
@@ -190,6 +192,7 @@ class TunixModel:
     forward: Callable[..., Any] | None = None
     head: Callable[[Any, Any], Any] | None = None
     final_norm: str = "final_norm"
+    layers: str = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
