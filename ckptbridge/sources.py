@@ -64,15 +64,17 @@ class HFSource:
     tied_keys: list[str]
     quantization: str | None = None  # a quantized model's format (compressed-tensors), see quantize.describe
 
-    def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
-        return [self.model.array(k) for k in entry.hf_keys]
+    def arrays(self, entry: mapping.Entry, pool=None, parts: int = 1) -> list[np.ndarray]:
+        return [self.model.array(k, pool, parts) for k in entry.hf_keys]
 
-    def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
+    def tunix_value(self, entry: mapping.Entry, pool=None, parts: int = 1) -> np.ndarray:
+        """The Tunix parameter of ``entry``; with ``pool`` and ``parts`` > 1 each HF tensor is read
+        in that many ranges at once (safe to call from several threads)."""
         if not entry.hf_keys:  # a parameter Tunix keeps unused where HF has none (``hf_absent``)
             return np.zeros(entry.tunix_shape, self.dtype(entry))
         if entry.rule.stack is not None:  # one expert at a time
             return mapping.stack_to_tunix(entry, (self.model.array(k) for k in entry.hf_keys))
-        return mapping.hf_to_tunix(entry, self.arrays(entry))
+        return mapping.hf_to_tunix(entry, self.arrays(entry, pool, parts))
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         keys = entry.hf_keys or next(e.hf_keys for e in self.entries if e.hf_keys)
@@ -209,8 +211,9 @@ class OrbaxSource:
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         return self.ckpt.leaves[self.path_of(entry)][1]
 
-    def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
-        """The leaf of ``entry`` (safe to call from several threads)."""
+    def tunix_value(self, entry: mapping.Entry, pool=None, parts: int = 1) -> np.ndarray:
+        """The leaf of ``entry`` (safe to call from several threads; TensorStore reads its chunks
+        in parallel itself, so ``pool`` and ``parts`` are not needed)."""
         p = self.path_of(entry)
         return self.ckpt.read([p])[p]
 

@@ -91,7 +91,10 @@ def main(argv=None) -> int:
         cfg = build_config(args.preset, args.config, overrides)
         if cfg.xla_flags and cfg.xla_flags not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cfg.xla_flags}".strip()
-        from training.mesh import init_distributed
+        from training.mesh import init_distributed, start_backend
+
+        if not args.topology:
+            start_backend()  # while the trainer imports Tunix, transformers and Orbax
         from training.trainer import train
 
         from ckptbridge import hub

@@ -19,15 +19,43 @@ from ckptbridge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+_joined = False
+
+
 def init_distributed() -> None:
     """Join a multi-host run when the environment describes one (TPU pod slices, or the
     ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` variables)."""
+    global _joined
     import jax
 
-    multi = os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0
-    if multi:
+    if multi_host() and not _joined:
         jax.distributed.initialize()
+        _joined = True
         log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def multi_host() -> bool:
+    """Whether the environment describes a multi-host run (a TPU pod slice, or JAX's coordinator)."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0
+
+
+def start_backend() -> None:
+    """Start JAX's accelerator backend (seconds on a TPU) on a thread, while the caller goes on
+    importing and reading; the first ``jax.devices()`` elsewhere waits for it. A multi-host run
+    joins its peers first (:func:`init_distributed`, which must come before the backend)."""
+    import threading
+
+    def start() -> None:
+        try:
+            import jax
+
+            jax.devices()
+        except Exception:  # the caller's own jax.devices() reports it
+            pass
+
+    if multi_host():
+        init_distributed()
+    threading.Thread(target=start, name="backend", daemon=True).start()
 
 
 def check_mesh(fsdp: int, tp: int, n_devices: int, cfg: ModelConfig) -> None:

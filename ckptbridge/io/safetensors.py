@@ -174,11 +174,21 @@ class SafetensorsFile:
     def info(self, name: str) -> TensorInfo:
         return self.infos[name]
 
-    def array(self, name: str) -> np.ndarray:
-        """Tensor ``name``, read from disk into a new array."""
+    def array(self, name: str, pool=None, parts: int = 1) -> np.ndarray:
+        """Tensor ``name``, read from disk into a new array; with ``pool`` (a thread pool) and
+        ``parts`` > 1, in that many contiguous byte ranges at once (a large tensor's pages are
+        then faulted in and filled by several threads, not one)."""
         i = self.infos[name]
         out = np.empty(i.shape, DTYPES[i.dtype])
-        self._read_into(i, out.reshape(-1).view(np.uint8))
+        flat = out.reshape(-1).view(np.uint8)
+        if pool is None or parts <= 1 or i.nbytes < parts:
+            self._read_into(i, flat)
+            return out
+        bounds = [i.nbytes * k // parts for k in range(parts + 1)]
+        jobs = [pool.submit(self._read_into, TensorInfo(name, i.dtype, (), i.begin + a, i.begin + b), flat[a:b])
+                for a, b in zip(bounds, bounds[1:])]
+        for job in jobs:
+            job.result()
         return out
 
     def rows(self, name: str, start: int, stop: int, *, matrix: bool = False) -> np.ndarray:
