@@ -140,15 +140,3 @@ def fit_lora_annotations(model, mesh) -> tuple[int, int]:
             var.set_metadata(out_sharding=(None,) * len(shape))
             replaced += 1
     return replaced, len(flat)
-
-
-def fix_lora_shardings(model, mesh) -> tuple[int, int]:
-    """:func:`fit_lora_annotations`, then place the factors on the mesh. Returns (annotations
-    replaced, factors)."""
-    import jax
-    from flax import nnx
-
-    counts = fit_lora_annotations(model, mesh)
-    state = nnx.state(model, nnx.LoRAParam)
-    nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
-    return counts

@@ -64,17 +64,20 @@ class HFSource:
     tied_keys: list[str]
     quantization: str | None = None  # a quantized model's format (compressed-tensors), see quantize.describe
 
-    def arrays(self, entry: mapping.Entry, pool=None, parts: int = 1) -> list[np.ndarray]:
-        return [self.model.array(k, pool, parts) for k in entry.hf_keys]
+    def arrays(self, entry: mapping.Entry, *, mapped: bool = False) -> list[np.ndarray]:
+        read = self.model.mapped if mapped else self.model.array
+        return [read(k) for k in entry.hf_keys]
 
-    def tunix_value(self, entry: mapping.Entry, pool=None, parts: int = 1) -> np.ndarray:
-        """The Tunix parameter of ``entry``; with ``pool`` and ``parts`` > 1 each HF tensor is read
-        in that many ranges at once (safe to call from several threads)."""
+    def tunix_value(self, entry: mapping.Entry, *, mapped: bool = False) -> np.ndarray:
+        """The Tunix parameter of ``entry`` (safe to call from several threads). With ``mapped``
+        the HF tensors are read over their files mapped into memory: where no rearrangement is
+        needed the value is a read-only view of the file, copied only by whoever uses it."""
         if not entry.hf_keys:  # a parameter Tunix keeps unused where HF has none (``hf_absent``)
             return np.zeros(entry.tunix_shape, self.dtype(entry))
         if entry.rule.stack is not None:  # one expert at a time
-            return mapping.stack_to_tunix(entry, (self.model.array(k) for k in entry.hf_keys))
-        return mapping.hf_to_tunix(entry, self.arrays(entry, pool, parts))
+            read = self.model.mapped if mapped else self.model.array
+            return mapping.stack_to_tunix(entry, (read(k) for k in entry.hf_keys))
+        return mapping.hf_to_tunix(entry, self.arrays(entry, mapped=mapped))
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         keys = entry.hf_keys or next(e.hf_keys for e in self.entries if e.hf_keys)
@@ -211,9 +214,9 @@ class OrbaxSource:
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         return self.ckpt.leaves[self.path_of(entry)][1]
 
-    def tunix_value(self, entry: mapping.Entry, pool=None, parts: int = 1) -> np.ndarray:
-        """The leaf of ``entry`` (safe to call from several threads; TensorStore reads its chunks
-        in parallel itself, so ``pool`` and ``parts`` are not needed)."""
+    def tunix_value(self, entry: mapping.Entry, *, mapped: bool = False) -> np.ndarray:
+        """The leaf of ``entry`` (safe to call from several threads; ``mapped`` is for the
+        interface: TensorStore reads the chunks)."""
         p = self.path_of(entry)
         return self.ckpt.read([p])[p]
 

@@ -182,7 +182,6 @@ def _assign(tree: dict, path: tuple[str, ...], value) -> None:
 
 # host bytes of weights read ahead of the chip (read, rearranged, cast, not yet placed) when loading
 LOAD_MEMORY_BUDGET = "2GiB"
-READ_PART = 256 << 20  # bytes a thread reads of a larger tensor
 
 
 def _base_and_lora(cls, tcfg, lora_rules: list[dict] | None, seed: int):
@@ -283,14 +282,12 @@ class TunixModelPlan:
         source, pdtype = self.source, self.param_dtype
         default_device = jax.devices()[0]
         threads = stream.usable_cores() if workers is None else max(1, int(workers))
-        reader = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load-read")
 
         def place(e: mapping.Entry):
             target = _lookup(pure, e.tunix_path)
-            # a tensor much larger than the others (an embedding) is read by several threads: one
-            # thread filling 2.8 GB of fresh pages was most of a 2-layer model's load on a TPU VM
-            parts = max(1, min(threads, int(np.prod(e.tunix_shape, dtype=np.int64)) * pdtype.itemsize // READ_PART))
-            value = np.asarray(source.tunix_value(e, reader, parts))
+            # over the mapped files: a tensor whose layout stays goes from the page cache to the
+            # device with no host copy (on a TPU VM, 3.6x faster than reading into fresh memory)
+            value = np.asarray(source.tunix_value(e, mapped=True))
             lay = mapping.layout_with_shape(e, tuple(target.shape))
             if lay is not None and lay != e.tunix_layout:  # the installed Tunix lays this out otherwise
                 value = layout.rearrange(value, e.tunix_layout, lay, e.sizes)
@@ -307,7 +304,7 @@ class TunixModelPlan:
         entries = source.entries
         sizes = [int(np.prod(e.tunix_shape, dtype=np.int64)) * pdtype.itemsize for e in entries]
         bar = Progress(sum(sizes), "load base", enabled=progress)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-init") as init, reader:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-init") as init:
             rest = init.submit(self._init_not_base)
             try:
                 with stream.Engine(threads, budget, name="load") as engine:

@@ -47,3 +47,26 @@ def test_file_range_of_a_truncated_source_is_an_error(tmp_path):
         os.truncate(src, os.path.getsize(src) - 100)
         with pytest.raises(CorruptFileError, match="'w' ends early"):
             st.write_file(dst, [st.PlannedTensor("w", v.dtype, v.shape, chunks=lambda: [f.byte_range("w")])])
+
+
+def test_mapped_tensors_equal_read_ones_and_outlive_the_file_object(tmp_path):
+    """What the base load hands to the device: tensors over the mapped file, equal to those read,
+    read-only, valid after the file is closed (zero-size ones included)."""
+    import ml_dtypes
+
+    from ckptbridge.io import safetensors as st
+
+    rng = np.random.default_rng(1)
+    tensors = {"a": rng.standard_normal((37, 101)).astype(ml_dtypes.bfloat16),
+               "b": rng.integers(0, 100, (3, 7, 5)).astype(np.int32), "c": np.zeros((0, 4), np.float32)}
+    path = str(tmp_path / "m.safetensors")
+    st.write_file(path, [st.PlannedTensor(k, v.dtype, v.shape, lambda v=v: v) for k, v in tensors.items()])
+    with st.SafetensorsFile(path) as f:
+        views = {k: f.mapped(k) for k in tensors}
+        for k, v in tensors.items():
+            assert views[k].dtype == v.dtype and views[k].shape == v.shape
+            assert views[k].tobytes() == f.array(k).tobytes() == v.tobytes()
+    assert not views["a"].flags.writeable
+    with pytest.raises(ValueError):
+        views["b"][0, 0, 0] = 1
+    assert views["a"].tobytes() == tensors["a"].tobytes()  # after close

@@ -62,6 +62,36 @@ def test_rows_over_the_cap_are_dropped_and_counted(tokenizer):
     assert max(len(e["tokens"]) for e in enc.examples) <= 256
 
 
+def test_encoded_data_is_kept_for_a_resumed_run(base, tmp_path, monkeypatch):
+    """A resumed run reads its token ids back (no tokenizer): equal to encoding again, and made
+    again when the data, max_length or the kept file changes."""
+    import shutil
+
+    data = str(tmp_path / "rows.jsonl")
+    shutil.copy(SAMPLE, data)
+    cache = str(tmp_path / "encoded_data.npz")
+    first = data_lib.encoded_data(base, data, 256, cache)
+    calls = []
+    real = data_lib.encode_rows
+    monkeypatch.setattr(data_lib, "encode_rows", lambda *a: calls.append(a) or real(*a))
+    again = data_lib.encoded_data(base, data, 256, cache)
+    assert not calls  # read back
+    assert (again.rows, again.dropped_too_long, again.dropped_empty) == (first.rows, first.dropped_too_long,
+                                                                           first.dropped_empty) == (32, 1, 0)
+    assert len(again.examples) == len(first.examples) == 31
+    for a, b in zip(again.examples, first.examples):
+        assert a["tokens"].dtype == b["tokens"].dtype and np.array_equal(a["tokens"], b["tokens"])
+        assert np.array_equal(a["loss_mask"], b["loss_mask"])
+    assert len(data_lib.encoded_data(base, data, 200, cache).examples) < 31 and len(calls) == 1  # max_length
+    with open(data, "a") as f:  # other data
+        f.write(open(SAMPLE).readline())
+    assert data_lib.encoded_data(base, data, 200, cache).rows == 33 and len(calls) == 2
+    with open(cache, "wb") as f:  # a damaged file is made again
+        f.write(b"not npz")
+    assert data_lib.encoded_data(base, data, 200, cache).rows == 33 and len(calls) == 3
+    assert data_lib.encoded_data(base, data, 200, cache).rows == 33 and len(calls) == 3
+
+
 def test_packing_keeps_examples_apart_and_is_deterministic(tokenizer):
     enc = data_lib.encode_rows(tokenizer, data_lib.read_rows(SAMPLE), 256)
     kw = dict(seq_len=256, batch=2, packing=True, seed=3)

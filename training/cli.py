@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         from training.mesh import init_distributed, start_backend
 
         if not args.topology:
-            start_backend()  # while the trainer imports Tunix, transformers and Orbax
+            start_backend()  # while the trainer imports Tunix, Flax and Orbax
         from training.trainer import train
 
         from ckptbridge import hub

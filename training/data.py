@@ -109,6 +109,78 @@ def encode_rows(tokenizer, rows: list[dict], max_length: int) -> Encoded:
     return Encoded(examples, len(rows), too_long, empty)
 
 
+def encoded_data(base: str, data_path: str, max_length: int, cache: str | None = None) -> Encoded:
+    """:func:`encode_rows` of ``data_path`` with the tokenizer of the model directory ``base``.
+    With ``cache`` (a file path), the result is kept there and read back on the next call with the
+    same inputs (a resumed run: no transformers import, no tokenizing): the key is the bytes of
+    the data and of the base's tokenizer files (every non-weight file and config.json),
+    ``max_length``, the transformers version and this module's source."""
+    if not os.path.isfile(data_path):
+        raise InputNotFoundError(f"--data {data_path}: no such file")
+    key = _encoding_key(base, data_path, max_length) if cache else None
+    if key is not None and os.path.isfile(cache):
+        found = _read_encoded(cache, key)
+        if found is not None:
+            return found
+    from transformers import AutoTokenizer
+
+    encoded = encode_rows(AutoTokenizer.from_pretrained(base), read_rows(data_path), max_length)
+    if key is not None:
+        _write_encoded(cache, key, encoded)
+    return encoded
+
+
+def _encoding_key(base: str, data_path: str, max_length: int) -> str:
+    import hashlib
+    from importlib import metadata
+
+    from ckptbridge.io.hf import non_weight_files
+
+    h = hashlib.sha256()
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        version = "none"
+    h.update(f"{max_length} {version}\n".encode())
+    files = [("data", data_path), ("code", os.path.abspath(__file__))]
+    files += [(name, os.path.join(base, name)) for name in ["config.json", *non_weight_files(base)]
+              if os.path.isfile(os.path.join(base, name))]
+    for name, path in files:
+        h.update(f"{name}\0".encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _write_encoded(path: str, key: str, encoded: Encoded) -> None:
+    lengths = np.asarray([len(e["tokens"]) for e in encoded.examples], np.int64)
+    cat = (lambda k: np.concatenate([e[k] for e in encoded.examples]).astype(np.int32)) if encoded.examples \
+        else (lambda k: np.zeros(0, np.int32))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, key=np.asarray(key), lengths=lengths, tokens=cat("tokens"), loss_mask=cat("loss_mask"),
+                 counts=np.asarray([encoded.rows, encoded.dropped_too_long, encoded.dropped_empty], np.int64))
+    os.replace(tmp, path)
+
+
+def _read_encoded(path: str, key: str) -> Encoded | None:
+    """The encoded data kept in ``path`` if it was made from the inputs of ``key`` (else None;
+    an unreadable file is made again)."""
+    try:
+        with np.load(path) as z:
+            if str(z["key"]) != key:
+                return None
+            lengths, tokens, mask, counts = z["lengths"], z["tokens"], z["loss_mask"], z["counts"]
+    except (OSError, ValueError, KeyError):
+        return None
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    if len(counts) != 3 or bounds[-1] != len(tokens) or len(tokens) != len(mask):
+        return None
+    examples = [{"tokens": tokens[a:b], "loss_mask": mask[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
+    return Encoded(examples, int(counts[0]), int(counts[1]), int(counts[2]))
+
+
 def pipeline(examples: list[dict], *, seq_len: int, batch: int, packing: bool, seed: int, epochs: int = 1,
              num_packing_bins: int = 64):
     """A Grain IterDataset of training micro-batches: ``tokens``, ``loss_mask``, ``segment_ids``

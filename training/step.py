@@ -165,11 +165,9 @@ def shardings_of(lora, frozen, opt, mesh, batch_sharding) -> dict[str, Any]:
             "acc": lora_sh, "batch": batch_sharding, "scalar": NamedSharding(mesh, PartitionSpec())}
 
 
-def _abstract(tree, shardings=None):
+def _abstract(tree, shardings):
     import jax
 
-    if shardings is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
@@ -209,6 +207,8 @@ def compile_programs(graphdef, opt_graphdef, abstract: StepState, shardings: dic
     """Compile both programs for the shapes and shardings of ``abstract`` (arrays or
     ``jax.ShapeDtypeStruct``: nothing is allocated). Raises what XLA raises (e.g. the chip's memory
     exceeded)."""
+    import concurrent.futures
+
     import jax
     import jax.numpy as jnp
 
@@ -224,8 +224,12 @@ def compile_programs(graphdef, opt_graphdef, abstract: StepState, shardings: dic
                    out_shardings=(sh["acc"], scalar, scalar), donate_argnums=(2,))
     apply = jax.jit(apply_fn, in_shardings=(sh["lora"], sh["frozen"], sh["opt"], sh["acc"], scalar),
                     out_shardings=(sh["lora"], sh["opt"], sh["acc"], scalar, scalar), donate_argnums=(0, 2, 3))
-    grad_c = grad.lower(lora, frozen, acc, batch, jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)).compile()
-    apply_c = apply.lower(lora, frozen, opt, acc, jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)).compile()
+    # the two at once: the apply program (a few seconds on a TPU) compiles while the gradient's does
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-apply") as side:
+        apply_job = side.submit(lambda: apply.lower(
+            lora, frozen, opt, acc, jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)).compile())
+        grad_c = grad.lower(lora, frozen, acc, batch, jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)).compile()
+        apply_c = apply_job.result()
     return Programs(grad_c, apply_c, {"train_grad_step": memory_of(grad_c), "train_apply_step": memory_of(apply_c)})
 
 

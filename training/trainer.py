@@ -150,6 +150,10 @@ class Run:
         return os.path.join(self.root, "sessions.jsonl")
 
     @property
+    def encoded_data(self) -> str:
+        return os.path.join(self.root, "encoded_data.npz")
+
+    @property
     def compile_cache(self) -> str:
         return os.path.join(self.root, "compile_cache")
 
@@ -165,7 +169,6 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
-    from transformers import AutoTokenizer
     from tunix.sft.checkpoint_manager import CheckpointManager
 
     from ckptbridge.lora import open_base
@@ -195,9 +198,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     # data
     t_data = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    rows = data_lib.read_rows(data_path)
-    encoded = data_lib.encode_rows(tokenizer, rows, cfg.max_length)
+    encoded = data_lib.encoded_data(base, data_path, cfg.max_length, run.encoded_data)
     if not encoded.examples:
         from ckptbridge.errors import ConfigError
 

@@ -145,8 +145,12 @@ class HFModelDir:
     def info(self, key: str) -> TensorInfo:
         return self.file_of(key).info(key)
 
-    def array(self, key: str, pool=None, parts: int = 1):
-        return self.file_of(key).array(key, pool, parts)
+    def array(self, key: str):
+        return self.file_of(key).array(key)
+
+    def mapped(self, key: str):
+        """Tensor ``key`` over its file mapped into memory (:meth:`SafetensorsFile.mapped`)."""
+        return self.file_of(key).mapped(key)
 
     def asset_files(self) -> list[str]:
         """Top-level non-weight files other than config.json (tokenizer, chat template, ...)."""

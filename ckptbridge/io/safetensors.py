@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -100,6 +102,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
         if not os.path.isfile(path):
             raise InputNotFoundError(f"{path}: no such file")
         size = os.path.getsize(path)
@@ -174,22 +178,27 @@ class SafetensorsFile:
     def info(self, name: str) -> TensorInfo:
         return self.infos[name]
 
-    def array(self, name: str, pool=None, parts: int = 1) -> np.ndarray:
-        """Tensor ``name``, read from disk into a new array; with ``pool`` (a thread pool) and
-        ``parts`` > 1, in that many contiguous byte ranges at once (a large tensor's pages are
-        then faulted in and filled by several threads, not one)."""
+    def array(self, name: str) -> np.ndarray:
+        """Tensor ``name``, read from disk into a new array."""
         i = self.infos[name]
         out = np.empty(i.shape, DTYPES[i.dtype])
-        flat = out.reshape(-1).view(np.uint8)
-        if pool is None or parts <= 1 or i.nbytes < parts:
-            self._read_into(i, flat)
-            return out
-        bounds = [i.nbytes * k // parts for k in range(parts + 1)]
-        jobs = [pool.submit(self._read_into, TensorInfo(name, i.dtype, (), i.begin + a, i.begin + b), flat[a:b])
-                for a, b in zip(bounds, bounds[1:])]
-        for job in jobs:
-            job.result()
+        self._read_into(i, out.reshape(-1).view(np.uint8))
         return out
+
+    def mapped(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a read-only array over the file mapped into memory: nothing is copied
+        until the array is used, and then its pages come straight from the page cache (a transfer
+        to a device reads them there; no fresh host memory is filled first, which on a sandboxed
+        TPU VM was most of a base load). The array stays valid after :meth:`close`; the file
+        must not be truncated while it is in use."""
+        i = self.infos[name]
+        if i.nbytes == 0:
+            return np.empty(i.shape, DTYPES[i.dtype])
+        with self._lock:
+            if self._map is None:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            m = self._map
+        return np.frombuffer(m, DTYPES[i.dtype], count=math.prod(i.shape), offset=i.begin).reshape(i.shape)
 
     def rows(self, name: str, start: int, stop: int, *, matrix: bool = False) -> np.ndarray:
         """Rows ``start:stop`` (along the first axis) of tensor ``name``, read from disk; with
@@ -236,6 +245,7 @@ class SafetensorsFile:
             done += n
 
     def close(self) -> None:
+        self._map = None  # arrays over it keep it mapped until they go
         self._file.close()
 
     def __enter__(self) -> SafetensorsFile:
