@@ -75,6 +75,52 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def workers_table(args, tmp: str, dims: dict, baseline: dict, budget: dict) -> None:
+    """Peak RSS of each verb at each of ``args.workers`` (one model), against the first count."""
+    from ckptbridge.testing import write_random_adapter, write_random_checkpoint
+
+    n = args.layers[0]
+    hf = os.path.join(tmp, "hf")
+    write_random_checkpoint(hf, num_hidden_layers=n, **dims)
+    adapter = write_random_adapter(hf, os.path.join(tmp, "adapter"), r=16)
+    chunk = {"chunk_size": args.chunk_size} if args.chunk_size else {}
+    rows = []
+    for w in args.workers:
+        kw = {**budget, "workers": w}
+        orbax = os.path.join(tmp, f"orbax{w}")
+        row = {"workers": w}
+        for verb, src, dst, extra in (("s2o", hf, orbax, chunk), ("o2s", orbax, os.path.join(tmp, f"back{w}"), chunk),
+                                      ("merge", hf, os.path.join(tmp, f"merged{w}"), {"adapter": adapter})):
+            m = measure(verb, src, dst, json.dumps({**kw, **extra}))
+            row[f"{verb}_s"], row[f"{verb}_peak_rss_mb"] = m["seconds"], m["peak_rss_mb"]
+        for name in (f"orbax{w}", f"back{w}", f"merged{w}"):
+            shutil.rmtree(os.path.join(tmp, name))
+        rows.append(row)
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"model {args.model}, width D={dims['hidden_size']}, {n} layers, checkpoint {dir_bytes(hf) / 2**20:.0f} MB, "
+          f"memory budget {args.memory_budget or 'default'}; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
+    print(f"{'workers':>7} " + " ".join(f"{v + ' s':>8} {v + ' peak MB':>13}" for v in ("s2o", "o2s", "merge")))
+    for r in rows:
+        print(f"{r['workers']:>7} " + " ".join(f"{r[v + '_s']:>8.2f} {r[v + '_peak_rss_mb']:>13.0f}"
+                                               for v in ("s2o", "o2s", "merge")))
+    from ckptbridge import options
+
+    limit_mb = options.parse_size(args.memory_budget or options.DEFAULT_MEMORY_BUDGET) / 2**20
+    over = {v: max(r[f"{v}_peak_rss_mb"] for r in rows) - baseline["peak_rss_mb"] for v in ("s2o", "o2s", "merge")}
+    print(f"largest peak RSS over the baseline, memory budget {limit_mb:.0f} MB: "
+          + ", ".join(f"{v} {o:.0f} MB ({o / limit_mb:.2f}x)" for v, o in over.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "width": dims["hidden_size"], "layers": n, "memory_budget_mb": limit_mb,
+                       "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows}, f, indent=2)
+    if args.max_over_budget is not None:
+        bad = [v for v, o in over.items() if o > args.max_over_budget * limit_mb]
+        if bad:
+            print(f"memory follows the workers past the budget: {', '.join(bad)} > {args.max_over_budget}x")
+            sys.exit(1)
+        print(f"memory guard ok: every peak RSS within {args.max_over_budget}x the memory budget over the baseline")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
@@ -83,6 +129,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, nargs="+",
                     help="compare these vocabulary sizes at the first --layers count instead of layer counts: the "
                     "embedding, the largest tensor, grows (default vocabulary: 8 D)")
+    ap.add_argument("--workers", type=int, nargs="+",
+                    help="compare these --workers counts at the first --layers count instead of layer counts: the "
+                    "memory budget is shared by the workers, so the peak should not follow them")
+    ap.add_argument("--max-over-budget", type=float,
+                    help="with --workers: exit 1 when a verb's peak RSS over the baseline exceeds this many times "
+                    "the memory budget at any worker count")
     ap.add_argument("--chunk-size", help="--chunk-size of both conversions (default: ckptbridge's)")
     ap.add_argument("--memory-budget", help="--memory-budget of every verb (default: ckptbridge's)")
     ap.add_argument("--quantize", choices=("int8", "fp8"),
@@ -103,6 +155,8 @@ def main() -> None:
         budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
         convert = json.dumps({**budget, **({"chunk_size": args.chunk_size} if args.chunk_size else {})})
         sizes = [(args.layers[0], v) for v in args.vocab] if args.vocab else [(n, dims["vocab_size"]) for n in args.layers]
+        if args.workers:
+            return workers_table(args, tmp, dims, baseline, budget)
         for n, vocab in sizes:
             hf = os.path.join(tmp, f"hf{n}")
             write_random_checkpoint(hf, num_hidden_layers=n, **{**dims, "vocab_size": vocab})

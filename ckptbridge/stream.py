@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from ckptbridge import options
+from ckptbridge import malloc, options
 from ckptbridge.errors import ConfigError
 
 T = TypeVar("T")
@@ -88,6 +88,7 @@ class Engine:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
         self.budget = Budget(memory_budget)
+        malloc.return_freed_memory()  # else each worker's arena keeps pieces past the budget
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=name)
         self._streams: list[Stream] = []
         self._closed = False

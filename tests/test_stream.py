@@ -193,3 +193,15 @@ def test_budget_and_engine_refuse_nonsense():
         Parallelism.of(memory_budget="1MiB", least=2 << 20, least_what="chunk_size (--chunk-size)")
     with Parallelism.of(None, "64MiB").engine("t-default") as engine:
         assert engine.workers == usable_cores() and engine.budget.limit == 64 << 20
+
+
+def test_freed_memory_goes_back_to_the_system_on_glibc():
+    """The engine fixes glibc's mapping threshold (ckptbridge.malloc); fails if mallopt goes away."""
+    import platform
+
+    from ckptbridge import malloc, stream
+
+    with stream.Engine(2, 1 << 20):
+        pass
+    if platform.libc_ver()[0] == "glibc":
+        assert malloc.return_freed_memory() is True
