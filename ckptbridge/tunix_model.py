@@ -307,7 +307,9 @@ class TunixModelPlan:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-init") as init:
             rest = init.submit(self._init_not_base)
             try:
-                with stream.Engine(threads, budget, name="load") as engine:
+                # the allocator left as it is: a training process's own (XLA's) large buffers would
+                # otherwise be mapped afresh at every step
+                with stream.Engine(threads, budget, name="load", return_freed_memory=False) as engine:
                     for e, size, placed in zip(entries, sizes, engine.stream(
                             [(size, functools.partial(place, e)) for e, size in zip(entries, sizes)])):
                         _assign(pure, e.tunix_path, placed)
