@@ -7,16 +7,18 @@ layer). ``cp``, ``cp`` + ``sync``, ``ckptbridge convert safetensors-to-orbax`` a
 ``orbax-to-safetensors`` of its output alternate ``--repeat`` times (medians shown; the disk's
 writeback state moves a lot between runs), each in a fresh process after ``sync`` (wall time
 includes the interpreter and its imports; peak RSS is the process's maximum resident set, as
-``/usr/bin/time`` reports it).
+``wait4`` reports it).
 Then, once each: both directions with ``--no-compression``, and ``verify tensors`` of the round
 trip. The first k's model with half the embedding (131072 rows) is converted both ways in the
 same alternation: peak RSS must not change when the largest tensor doubles. Each conversion
-runs three ways in the alternation (``CONFIGS``): on every core with the default ``--workers``,
-on every core with ``--workers 1``, and pinned to one core with ``taskset``; the table gives
-each as a ratio to ``cp`` + ``sync`` and the rate from one core to all.
+runs several ways in the alternation (``CONFIGS``): on every core with the default ``--workers``,
+on every core with each ``--workers N`` asked for (default: 1), and pinned to one core with
+``taskset`` (unless ``--no-pin``); the table gives each as a ratio to ``cp`` + ``sync`` and the
+rate from one core to all. It needs no more than the core extra (no ``/usr/bin/time``; child
+processes keep this environment, PYTHONPATH included).
 
     .venv/bin/python benchmarks/convert_31b.py [--layers 2 4] [--repeat 3] [--chunk-size 32MiB]
-        [--dir DIR] [--keep] [--out FILE]
+        [--workers 1 2 4 8 13] [--no-pin] [--memory-budget SIZE] [--dir DIR] [--keep] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,32 +31,48 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from merge_31b import GEMMA4_31B, dir_bytes, measure, timed_shell  # noqa: E402  (measure: generation only)
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckptbridge import options, stream  # noqa: E402
+
 
 # How each conversion runs: (CPUs it is pinned to with taskset, or None for all; extra flags).
-# Pinned to one core, the default --workers is 1 (the usable cores).
+# Pinned to one core, the default --workers is 1 (the usable cores). --workers adds more.
 CONFIGS = {"all cores": (None, []), "all cores, --workers 1": (None, ["--workers", "1"]), "1 core": ("0", [])}
+
+
+def configs(workers: list[int], pin: bool) -> dict[str, tuple[str | None, list[str]]]:
+    out = {"all cores": (None, [])}
+    out.update({f"all cores, --workers {w}": (None, ["--workers", str(w)]) for w in workers})
+    if pin and shutil.which("taskset"):
+        out["1 core"] = ("0", [])
+    return out
 
 
 def _convert(direction: str, src: str, dst: str, *options: str, pin: str | None = None) -> dict:
     """``python -m ckptbridge convert ...`` as a user runs it (the program, not ``main(argv)``,
-    so that it re-executes itself with huge pages where it would), timed by ``/usr/bin/time``,
-    pinned to the CPUs ``pin`` with ``taskset`` when given."""
+    so that it re-executes itself with huge pages where it would), in a process of its own
+    (this environment and PYTHONPATH kept) pinned to the CPUs ``pin`` with ``taskset`` when
+    given; its wall time, peak RSS and CPU time from ``wait4`` (no ``/usr/bin/time`` needed)."""
     if os.path.exists(dst):
         shutil.rmtree(dst)
     subprocess.run(["sync"], check=True)
     taskset = ["taskset", "-c", pin] if pin is not None else []
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as out:
-        proc = subprocess.run(["/usr/bin/time", "-o", out.name, "-f", "%e %M %U %S", *taskset, sys.executable, "-m",
-                               "ckptbridge", "convert", direction, src, dst, "--quiet", *options],
-                              capture_output=True, text=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([*taskset, sys.executable, "-m", "ckptbridge", "convert", direction, src, dst,
+                                 "--quiet", *options], stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
-            raise SystemExit(f"{direction} failed:\n{proc.stderr[-3000:]}")
-        wall, rss_kb, user, system = out.read().split()[-4:]
-    return {"wall_s": float(wall), "peak_rss_mb": int(rss_kb) / 1024, "user_s": float(user), "sys_s": float(system)}
+            err.seek(0)
+            raise SystemExit(f"{direction} failed:\n{err.read()[-3000:]}")
+    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "user_s": usage.ru_utime, "sys_s": usage.ru_stime}
 
 
 def _base(work: str, k: int, vocab: int) -> str:
@@ -78,8 +96,15 @@ def main() -> None:
     ap.add_argument("--dir", help="work in this directory (default: the system's temporary one; needs ~4x the "
                     "largest base free)")
     ap.add_argument("--keep", action="store_true", help="keep the generated bases in DIR/convert-31b for the next run")
+    ap.add_argument("--workers", type=int, nargs="*", default=[1],
+                    help="also run both conversions with each of these --workers (default: 1; e.g. 1 2 4 8 13)")
+    ap.add_argument("--no-pin", action="store_true", help="leave out the run pinned to one core (taskset)")
+    ap.add_argument("--memory-budget", help="--memory-budget of every conversion (default: ckptbridge's)")
     args = ap.parse_args()
-    opts = ["--chunk-size", args.chunk_size] if args.chunk_size else []
+    opts = (["--chunk-size", args.chunk_size] if args.chunk_size else []) + \
+        (["--memory-budget", args.memory_budget] if args.memory_budget else [])
+    global CONFIGS
+    CONFIGS = configs(args.workers, not args.no_pin)
 
     work = (os.path.join(args.dir or tempfile.gettempdir(), "convert-31b") if args.keep
             else tempfile.mkdtemp(prefix="convert-31b-", dir=args.dir))
@@ -149,9 +174,10 @@ def main() -> None:
             print(f"{head} | {name:<22} | {s['wall_s']:>6.2f} {s['wall_s'] / r['cp_sync_s']:>9.2f} "
                   f"{s['peak_rss_mb']:>6.0f} {s['user_s'] + s['sys_s']:>6.1f} | {o['wall_s']:>6.2f} "
                   f"{o['wall_s'] / r['cp_sync_s']:>9.2f} {o['peak_rss_mb']:>6.0f} {o['user_s'] + o['sys_s']:>6.1f}")
-        one, every = r["configs"]["1 core"], r["configs"]["all cores"]
-        print(f"   1 core -> all cores: s2o {one['s2o']['wall_s'] / every['s2o']['wall_s']:.2f}x, "
-              f"o2s {one['o2s']['wall_s'] / every['o2s']['wall_s']:.2f}x the rate")
+        if "1 core" in r["configs"]:
+            one, every = r["configs"]["1 core"], r["configs"]["all cores"]
+            print(f"   1 core -> all cores: s2o {one['s2o']['wall_s'] / every['s2o']['wall_s']:.2f}x, "
+                  f"o2s {one['o2s']['wall_s'] / every['o2s']['wall_s']:.2f}x the rate")
         print(f"   no compression: s2o {r['s2o_nc']['wall_s']:.2f} s, o2s {r['o2s_nc']['wall_s']:.2f} s; Orbax "
               f"{r['orbax_bytes'] / 2**30:.2f} GiB, {r['orbax_nc_bytes'] / 2**30:.2f} GiB uncompressed")
         print(f"   round trip bit-identical (verify tensors): {r['round_trip_identical']}")
@@ -162,7 +188,11 @@ def main() -> None:
           f"{first['o2s']['peak_rss_mb']:.0f} MB ({first['o2s']['peak_rss_mb'] / flat['o2s']['peak_rss_mb']:.2f}x)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"chunk_size": args.chunk_size, "rows": rows, "half_embedding": flat}, f, indent=2)
+            json.dump({"chunk_size": args.chunk_size,
+                       "memory_budget": args.memory_budget or options.DEFAULT_MEMORY_BUDGET,
+                       "cores": len(os.sched_getaffinity(0)), "default_workers": stream.usable_cores(),
+                       "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in CONFIGS.items()},
+                       "rows": rows, "half_embedding": flat}, f, indent=2)
 
 
 if __name__ == "__main__":
