@@ -11,7 +11,7 @@ includes the interpreter and its imports; peak RSS is the process's maximum resi
 Then, once each: both directions with ``--no-compression``, and ``verify tensors`` of the round
 trip. The first k's model with half the embedding (131072 rows) is converted both ways in the
 same alternation: peak RSS must not change when the largest tensor doubles. Each conversion
-runs several ways in the alternation (``CONFIGS``): on every core with the default ``--workers``,
+runs several ways in the alternation (``configs``): on every core with the default ``--workers``,
 on every core with each ``--workers N`` asked for (default: 1), and pinned to one core with
 ``taskset`` (unless ``--no-pin``); the table gives each as a ratio to ``cp`` + ``sync`` and the
 rate from one core to all. It needs no more than the core extra (no ``/usr/bin/time``; child
@@ -40,12 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ckptbridge import options, stream  # noqa: E402
 
 
-# How each conversion runs: (CPUs it is pinned to with taskset, or None for all; extra flags).
-# Pinned to one core, the default --workers is 1 (the usable cores). --workers adds more.
-CONFIGS = {"all cores": (None, []), "all cores, --workers 1": (None, ["--workers", "1"]), "1 core": ("0", [])}
-
-
 def configs(workers: list[int], pin: bool) -> dict[str, tuple[str | None, list[str]]]:
+    """How each conversion runs: {name: (CPUs it is pinned to with taskset, or None for all; extra
+    flags)}. Pinned to one core, the default --workers is 1 (the usable cores)."""
     out = {"all cores": (None, [])}
     out.update({f"all cores, --workers {w}": (None, ["--workers", str(w)]) for w in workers})
     if pin and shutil.which("taskset"):
@@ -103,8 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     opts = (["--chunk-size", args.chunk_size] if args.chunk_size else []) + \
         (["--memory-budget", args.memory_budget] if args.memory_budget else [])
-    global CONFIGS
-    CONFIGS = configs(args.workers, not args.no_pin)
+    how = configs(args.workers, not args.no_pin)
 
     work = (os.path.join(args.dir or tempfile.gettempdir(), "convert-31b") if args.keep
             else tempfile.mkdtemp(prefix="convert-31b-", dir=args.dir))
@@ -119,7 +115,7 @@ def main() -> None:
             base = _base(work, k, GEMMA4_31B["vocab_size"])
             row: dict = {"layers": k, "vocab": GEMMA4_31B["vocab_size"], "base_bytes": dir_bytes(base)}
             print(f"k={k}: base {row['base_bytes'] / 2**30:.2f} GiB", flush=True)
-            runs: dict = {"cp_s": [], "cp_sync_s": [], **{c: {"s2o": [], "o2s": []} for c in CONFIGS}}
+            runs: dict = {"cp_s": [], "cp_sync_s": [], **{c: {"s2o": [], "o2s": []} for c in how}}
             halves: dict[str, list] = {"s2o": [], "o2s": []}
             for _ in range(args.repeat):
                 for p in (orbax, back):  # the disk holds the base, its half and one conversion's outputs at a time
@@ -134,7 +130,7 @@ def main() -> None:
                 runs["cp_sync_s"].append(timed_shell(f"cp -r {base} {copy} && sync"))
                 shutil.rmtree(copy)
                 line = f"  cp {runs['cp_s'][-1]:.1f} s, cp + sync {runs['cp_sync_s'][-1]:.1f} s"
-                for name, (pin, flags) in CONFIGS.items():
+                for name, (pin, flags) in how.items():
                     runs[name]["s2o"].append(_convert("safetensors-to-orbax", base, orbax, *opts, *flags, pin=pin))
                     shutil.rmtree(back, ignore_errors=True)
                     runs[name]["o2s"].append(_convert("orbax-to-safetensors", orbax, back, *opts, *flags, pin=pin))
@@ -143,7 +139,7 @@ def main() -> None:
                 print(line, flush=True)
             row["runs"] = runs
             row["cp_s"], row["cp_sync_s"] = statistics.median(runs["cp_s"]), statistics.median(runs["cp_sync_s"])
-            row["configs"] = {c: {d: _median(runs[c][d]) for d in ("s2o", "o2s")} for c in CONFIGS}
+            row["configs"] = {c: {d: _median(runs[c][d]) for d in ("s2o", "o2s")} for c in how}
             row["s2o"], row["o2s"] = row["configs"]["all cores"]["s2o"], row["configs"]["all cores"]["o2s"]
             row["orbax_bytes"] = dir_bytes(orbax)
             row["round_trip_identical"] = subprocess.run(
@@ -191,7 +187,7 @@ def main() -> None:
             json.dump({"chunk_size": args.chunk_size,
                        "memory_budget": args.memory_budget or options.DEFAULT_MEMORY_BUDGET,
                        "cores": len(os.sched_getaffinity(0)), "default_workers": stream.usable_cores(),
-                       "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in CONFIGS.items()},
+                       "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in how.items()},
                        "rows": rows, "half_embedding": flat}, f, indent=2)
 
 

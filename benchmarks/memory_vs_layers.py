@@ -153,10 +153,10 @@ def main() -> None:
     try:
         baseline = measure("none", "", "")
         budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
-        convert = json.dumps({**budget, **({"chunk_size": args.chunk_size} if args.chunk_size else {})})
-        sizes = [(args.layers[0], v) for v in args.vocab] if args.vocab else [(n, dims["vocab_size"]) for n in args.layers]
         if args.workers:
             return workers_table(args, tmp, dims, baseline, budget)
+        convert = json.dumps({**budget, **({"chunk_size": args.chunk_size} if args.chunk_size else {})})
+        sizes = [(args.layers[0], v) for v in args.vocab] if args.vocab else [(n, dims["vocab_size"]) for n in args.layers]
         for n, vocab in sizes:
             hf = os.path.join(tmp, f"hf{n}")
             write_random_checkpoint(hf, num_hidden_layers=n, **{**dims, "vocab_size": vocab})

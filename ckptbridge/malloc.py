@@ -14,24 +14,16 @@ elsewhere than glibc this does nothing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 8 << 20
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
 
+@functools.cache
 def return_freed_memory() -> bool:
     """Fix the allocator's mapping threshold (once per process). True where it is in effect."""
-    with _lock:
-        if "set" not in _state:
-            _state["set"] = _set()
-        return _state["set"]
-
-
-def _set() -> bool:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return True
     try:

@@ -281,7 +281,6 @@ class TunixModelPlan:
         shardings = self._shardings(self.abstract_state)
         source, pdtype = self.source, self.param_dtype
         default_device = jax.devices()[0]
-        threads = stream.usable_cores() if workers is None else max(1, int(workers))
 
         def place(e: mapping.Entry):
             target = _lookup(pure, e.tunix_path)
@@ -309,7 +308,7 @@ class TunixModelPlan:
             try:
                 # the allocator left as it is: a training process's own (XLA's) large buffers would
                 # otherwise be mapped afresh at every step
-                with stream.Engine(threads, budget, name="load", return_freed_memory=False) as engine:
+                with stream.Engine(workers, budget, name="load", return_freed_memory=False) as engine:
                     for e, size, placed in zip(entries, sizes, engine.stream(
                             [(size, functools.partial(place, e)) for e, size in zip(entries, sizes)])):
                         _assign(pure, e.tunix_path, placed)
