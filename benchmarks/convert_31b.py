@@ -18,7 +18,7 @@ rate from one core to all. It needs no more than the core extra (no ``/usr/bin/t
 processes keep this environment, PYTHONPATH included).
 
     .venv/bin/python benchmarks/convert_31b.py [--layers 2 4] [--repeat 3] [--chunk-size 32MiB]
-        [--workers 1 2 4 8 13] [--no-pin] [--memory-budget SIZE] [--dir DIR] [--keep] [--out FILE]
+        [--workers 1 2 4 8 13] [--no-pin] [--no-half] [--memory-budget SIZE] [--dir DIR] [--keep] [--out FILE]
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def main() -> None:
                     help="also run both conversions with each of these --workers (default: 1; e.g. 1 2 4 8 13)")
     ap.add_argument("--no-pin", action="store_true", help="leave out the run pinned to one core (taskset)")
     ap.add_argument("--memory-budget", help="--memory-budget of every conversion (default: ckptbridge's)")
+    ap.add_argument("--no-half", action="store_true",
+                    help="leave out the model with half the embedding (the peak RSS check of the largest tensor)")
     args = ap.parse_args()
     opts = (["--chunk-size", args.chunk_size] if args.chunk_size else []) + \
         (["--memory-budget", args.memory_budget] if args.memory_budget else [])
@@ -110,7 +112,7 @@ def main() -> None:
     flat: dict = {}
     try:
         half_vocab = GEMMA4_31B["vocab_size"] // 2
-        half = _base(work, args.layers[0], half_vocab)
+        half = None if args.no_half else _base(work, args.layers[0], half_vocab)
         for k in args.layers:
             base = _base(work, k, GEMMA4_31B["vocab_size"])
             row: dict = {"layers": k, "vocab": GEMMA4_31B["vocab_size"], "base_bytes": dir_bytes(base)}
@@ -120,7 +122,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 for p in (orbax, back):  # the disk holds the base, its half and one conversion's outputs at a time
                     shutil.rmtree(p, ignore_errors=True)
-                if k == args.layers[0]:  # the same model with half the embedding, in the same alternation
+                if half and k == args.layers[0]:  # the same model with half the embedding, in the same alternation
                     halves["s2o"].append(_convert("safetensors-to-orbax", half, orbax + ".half", *opts))
                     halves["o2s"].append(_convert("orbax-to-safetensors", orbax + ".half", back + ".half", *opts))
                     shutil.rmtree(orbax + ".half")
@@ -151,7 +153,7 @@ def main() -> None:
             if halves["s2o"]:
                 flat = {"layers": k, "vocab": half_vocab, "base_bytes": dir_bytes(half), "runs": halves,
                         "s2o": _median(halves["s2o"]), "o2s": _median(halves["o2s"])}
-        if not args.keep:
+        if half and not args.keep:
             shutil.rmtree(half)
     finally:
         for p in (orbax, back, copy, orbax + ".half", back + ".half"):
@@ -178,15 +180,16 @@ def main() -> None:
               f"{r['orbax_bytes'] / 2**30:.2f} GiB, {r['orbax_nc_bytes'] / 2**30:.2f} GiB uncompressed")
         print(f"   round trip bit-identical (verify tensors): {r['round_trip_identical']}")
     first = rows[0]
-    print(f"embedding {flat['vocab']} -> {first['vocab']} rows (k={first['layers']}): peak RSS s2o "
-          f"{flat['s2o']['peak_rss_mb']:.0f} -> {first['s2o']['peak_rss_mb']:.0f} MB "
-          f"({first['s2o']['peak_rss_mb'] / flat['s2o']['peak_rss_mb']:.2f}x), o2s {flat['o2s']['peak_rss_mb']:.0f} -> "
-          f"{first['o2s']['peak_rss_mb']:.0f} MB ({first['o2s']['peak_rss_mb'] / flat['o2s']['peak_rss_mb']:.2f}x)")
+    if flat:
+        print(f"embedding {flat['vocab']} -> {first['vocab']} rows (k={first['layers']}): peak RSS s2o "
+              f"{flat['s2o']['peak_rss_mb']:.0f} -> {first['s2o']['peak_rss_mb']:.0f} MB "
+              f"({first['s2o']['peak_rss_mb'] / flat['s2o']['peak_rss_mb']:.2f}x), o2s {flat['o2s']['peak_rss_mb']:.0f} -> "
+              f"{first['o2s']['peak_rss_mb']:.0f} MB ({first['o2s']['peak_rss_mb'] / flat['o2s']['peak_rss_mb']:.2f}x)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"chunk_size": args.chunk_size,
                        "memory_budget": args.memory_budget or options.DEFAULT_MEMORY_BUDGET,
-                       "cores": len(os.sched_getaffinity(0)), "default_workers": stream.usable_cores(),
+                       "cores": len(os.sched_getaffinity(0)), "default_workers": stream.default_workers(stream.CODEC_VERB_WORKERS),
                        "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in how.items()},
                        "rows": rows, "half_embedding": flat}, f, indent=2)
 

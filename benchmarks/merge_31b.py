@@ -64,9 +64,13 @@ elif what == "generate":
     layer_types = ["sliding_attention"] * (k - 1) + ["full_attention"]
     write_random_checkpoint(base, num_hidden_layers=k, layer_types=layer_types, **dims)
     write_random_adapter(base, adapter, r=rank, lora_alpha=alpha)
-# peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork)
+# peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork), where the
+# kernel reports it (gVisor's /proc does not)
 with open("/proc/self/status") as f:
-    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
+if hwm is None:
+    import resource
+    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": hwm / 1024}))
 """
 

@@ -42,7 +42,7 @@ from ckptbridge.options import (
     TARGETS,
     parse_size,
 )
-from ckptbridge.stream import usable_cores
+from ckptbridge.stream import CODEC_VERB_WORKERS, default_workers
 
 EPILOG = ("Exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, "
           "8 config, 1 internal.")
@@ -254,11 +254,13 @@ def _chunk_size_option(sp, what: str) -> None:
                     help=f"{what} (default {DEFAULT_CHUNK_SIZE})")
 
 
-def _parallel_options(sp, what: str) -> None:
-    """``--workers`` and ``--memory-budget`` of a converting verb."""
+def _parallel_options(sp, what: str, cap: int | None = None) -> None:
+    """``--workers`` and ``--memory-budget`` of a converting verb (default workers: the usable
+    cores, at most ``cap``)."""
+    most = f", at most {cap}" if cap else ""
     sp.add_argument("--workers", type=int, metavar="N",
-                    help=f"threads that {what} (default: every core this process may use, {usable_cores()} here; "
-                    "the output does not depend on it)")
+                    help=f"threads that {what} (default: the cores this process may use{most}, "
+                    f"{default_workers(cap)} here; the output does not depend on it)")
     sp.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
                     help=f"bytes of pieces read, computed or being written at once, over all workers (default "
                     f"{DEFAULT_MEMORY_BUDGET}: peak memory within 1.5 GB at 31B scale; at least one chunk)")
@@ -310,7 +312,8 @@ def add_s2o(csub) -> None:
                            "chunk each, as Orbax stores them)")
     sp.add_argument("--no-compression", action="store_true",
                     help="store the chunks without zstd: faster to write and read, larger on disk")
-    _parallel_options(sp, "read and rearrange row blocks while TensorStore encodes and writes earlier ones")
+    _parallel_options(sp, "read and rearrange row blocks while TensorStore encodes and writes earlier ones",
+                      CODEC_VERB_WORKERS)
     _revision_option(sp, "SRC")
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_s2o)  # huge pages: large TensorStore buffers
@@ -334,7 +337,7 @@ def add_o2s(csub) -> None:
     _chunk_size_option(sp, "a tensor larger than this is read, rearranged and written in blocks of about this size "
                            "(whole stored chunks: a checkpoint stored in larger chunks is read a chunk at a time)")
     _quantize_option(sp)
-    _parallel_options(sp, "read, decode and rearrange leaves and blocks ahead of the writer")
+    _parallel_options(sp, "read, decode and rearrange leaves and blocks ahead of the writer", CODEC_VERB_WORKERS)
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_o2s)
 

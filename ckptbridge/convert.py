@@ -29,7 +29,7 @@ from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
 from ckptbridge.specs.base import tunix_version_key
-from ckptbridge.stream import Job, Parallelism, Parts
+from ckptbridge.stream import CODEC_VERB_WORKERS, Job, Parallelism, Parts
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -130,7 +130,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     in row blocks of at most that size, each one chunk of the stored array, so memory stays a
     few chunks however large the tensor; smaller ones are one chunk each, as Orbax writes them.
     ``compression=False`` stores the chunks without zstd (faster, larger). Blocks are read and
-    rearranged on ``workers`` threads (default: every usable core) while TensorStore encodes and
+    rearranged on ``workers`` threads (default: the usable cores, at most 4) while TensorStore encodes and
     writes earlier ones, with at most ``memory_budget`` bytes of them (default 256 MiB) made and
     not yet stored; the checkpoint does not depend on either. ``src`` may be a Hub id
     (``revision``: its branch, tag or commit).
@@ -138,7 +138,8 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     t0 = time.perf_counter()
     deps.require("orbax")
     chunk_bytes = options.size("chunk_size", chunk_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)")
+    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
+                              default_cap=CODEC_VERB_WORKERS)
     if tunix_version is not None:
         try:
             tunix_version_key(tunix_version)
@@ -210,7 +211,7 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
     and the non-weight files stored with the checkpoint or next to ``config``). A leaf larger
     than ``chunk_size`` is read, rearranged and written in boxes of about that size (whole
     stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor). Leaves
-    and boxes are read, decoded and rearranged on ``workers`` threads (default: every usable core)
+    and boxes are read, decoded and rearranged on ``workers`` threads (default: the usable cores, at most 4)
     ahead of the writer, holding at most ``memory_budget`` bytes of them (default 256 MiB); the
     files written do not depend on either. ``quantize`` (``"int8"`` or ``"fp8"``): the decoder's
     linear projections are written quantized in the same pass, as ``ckptbridge quantize`` writes them."""
@@ -218,7 +219,8 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
     scheme = quantization.get_scheme(quantize, "quantize (--quantize)") if quantize is not None else None
     chunk_bytes = options.size("chunk_size", chunk_size)
     shard_bytes = options.size("max_shard_size", max_shard_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)")
+    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
+                              default_cap=CODEC_VERB_WORKERS)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source, \
             parallel.engine("o2s") as engine:
