@@ -54,6 +54,27 @@ def test_conversions_do_not_depend_on_workers(checkpoints, tmp_path, name):
     assert len([f for f in hf_a if f.endswith(".safetensors")]) > 1 and hf_a == hf_b
 
 
+def test_codec_verbs_default_to_at_most_four_workers(checkpoints, tmp_path, monkeypatch):
+    """On a host of 13 usable cores, safetensors-to-orbax and orbax-to-safetensors run 4 workers
+    unless told otherwise (stream.CODEC_VERB_WORKERS), and the output is the same as with 13."""
+    from ckptbridge import stream
+
+    monkeypatch.setattr(stream, "usable_cores", lambda: 13)
+    made = []
+    engine = stream.Parallelism.engine
+    monkeypatch.setattr(stream.Parallelism, "engine", lambda self, name="ckptbridge": made.append(self.workers)
+                        or engine(self, name))
+    src = checkpoints["keqv_lm_f32_sharded"]
+    for kind, workers in (("default", None), ("thirteen", 13)):
+        convert_safetensors_to_orbax(src, str(tmp_path / f"{kind}.orbax"), chunk_size=CHUNK, workers=workers,
+                                     progress=False)
+        convert_orbax_to_safetensors(str(tmp_path / f"{kind}.orbax"), str(tmp_path / f"{kind}.hf"),
+                                     chunk_size=CHUNK, workers=workers, progress=False)
+    assert made == [4, 4, 13, 13]
+    assert orbax_stored(str(tmp_path / "default.orbax")) == orbax_stored(str(tmp_path / "thirteen.orbax"))
+    assert files(str(tmp_path / "default.hf")) == files(str(tmp_path / "thirteen.hf"))
+
+
 def test_lora_verbs_do_not_depend_on_workers(adapters, tmp_path):
     row = adapters["keqv_lm_f32_sharded"]
     got = {}

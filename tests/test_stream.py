@@ -195,6 +195,19 @@ def test_budget_and_engine_refuse_nonsense():
         assert engine.workers == usable_cores() and engine.budget.limit == 64 << 20
 
 
+def test_default_workers_of_the_codec_verbs_are_capped(monkeypatch):
+    """safetensors-to-orbax and orbax-to-safetensors take the usable cores up to CODEC_VERB_WORKERS
+    when no --workers is given (their codecs run on TensorStore's threads); a count given is kept."""
+    from ckptbridge import stream
+
+    monkeypatch.setattr(stream, "usable_cores", lambda: 13)
+    assert Parallelism.of(None, default_cap=stream.CODEC_VERB_WORKERS).workers == stream.CODEC_VERB_WORKERS == 4
+    assert Parallelism.of(13, default_cap=stream.CODEC_VERB_WORKERS).workers == 13
+    assert Parallelism.of(None).workers == 13  # merge, adapters: every usable core
+    monkeypatch.setattr(stream, "usable_cores", lambda: 2)
+    assert Parallelism.of(None, default_cap=stream.CODEC_VERB_WORKERS).workers == 2
+
+
 def test_freed_memory_goes_back_to_the_system_on_glibc():
     """The engine fixes glibc's mapping threshold (ckptbridge.malloc); fails if mallopt goes away."""
     import platform
