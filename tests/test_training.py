@@ -170,16 +170,16 @@ def test_lora_under_remat_and_dropout(base, tokenizer):
         nnx.update(model, jax.tree.map(lambda x: x + 0.01, state))
         rngs = dropout_rngs(model)
         grad_fn = nnx.grad(lambda m: lm_loss(m, batch, cfg.loss_chunk)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))
-        reseed(rngs, cfg.seed, 0)
-        first = grad_fn(model)
-        reseed(rngs, cfg.seed, 1)
-        other = grad_fn(model)
-        reseed(rngs, cfg.seed, 0)
-        again = grad_fn(model)
         flat = lambda g: np.concatenate([np.ravel(v.get_value()) for _, v in nnx.to_flat_state(g)])  # noqa: E731
-        assert np.array_equal(flat(first), flat(again))  # masks depend on (seed, micro-batch) only
-        assert not np.allclose(flat(first), flat(other))  # and change between micro-batches
-        grads[remat] = flat(first)
+        reseed(rngs, cfg.seed, 0)
+        first = flat(grad_fn(model))
+        if remat in ("none", "decoder_dots"):  # without remat, and under one of our policies
+            reseed(rngs, cfg.seed, 1)
+            other = flat(grad_fn(model))
+            reseed(rngs, cfg.seed, 0)
+            assert np.array_equal(first, flat(grad_fn(model)))  # masks depend on (seed, micro-batch) only
+            assert not np.allclose(first, other)  # and change between micro-batches
+        grads[remat] = first
     for remat in REMAT:  # same maths, other fusion: float32 rounding apart
         assert paths[remat] == paths["none"], remat
         assert np.linalg.norm(grads[remat] - grads["none"]) <= 1e-5 * np.linalg.norm(grads["none"]), remat
