@@ -424,10 +424,11 @@ def add_quantize(sub) -> None:
 
 def add_inspect(sub) -> None:
     sp = sub.add_parser("inspect", help="say what a checkpoint is", epilog=EPILOG,
-                        description="Identify PATH (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and "
-                        "summarise it: family, layer kinds, dtypes, parameter count, metadata.")
+                        description="Identify PATH (HF model, Orbax weights, Orbax LoRA, PEFT adapter, GGUF "
+                        "model or adapter) and summarise it: family or architecture, layer kinds, dtypes or "
+                        "tensor types, parameter count, tokenizer, metadata.")
     sp.add_argument("path", metavar="PATH", help="HF model, Orbax checkpoint (local or gs://), PEFT adapter, "
-                    "a .safetensors file, or a Hub id")
+                    "a .safetensors or .gguf file, or a Hub id")
     _step_option(sp)
     _json_option(sp)
     _revision_option(sp, "PATH")

@@ -16,7 +16,8 @@ from ckptbridge.report import Report
 from ckptbridge.sources import is_hf_directory
 from ckptbridge.specs import get_family, parse_config
 
-SUMMARY_ORDER = ("family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
+SUMMARY_ORDER = ("architecture", "name", "gguf_version", "adapter_type", "block_count", "context_length",
+                 "tokenizer", "vocab", "chat_template", "tensor_types", "family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
                  "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
                  "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
                  "lora_ranks", "leaves", "tensors", "dtypes", "quantization", "parameters", "bytes", "files",
@@ -117,6 +118,47 @@ class SafetensorsInfo(Info):
     metadata: dict | None
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFInfo(Info):
+    OMIT_NONE = ("name", "adapter_type", "lora_alpha", "block_count", "context_length", "tokenizer", "vocab")
+
+    kind: str  # gguf-model or gguf-adapter (general.type)
+    path: str
+    gguf_version: int
+    architecture: str | None
+    tensors: int
+    tensor_types: dict[str, int]
+    parameters: int
+    bytes: int
+    chat_template: bool
+    name: str | None = None
+    adapter_type: str | None = None
+    lora_alpha: float | None = None
+    block_count: int | None = None
+    context_length: int | None = None
+    tokenizer: str | None = None  # tokenizer.ggml.model (gpt2: BPE, llama: SentencePiece, ...)
+    vocab: int | None = None
+
+
+def _inspect_gguf(path: str) -> GGUFInfo:
+    from ckptbridge.io.gguf import read_gguf
+
+    f = read_gguf(path)
+    m = f.metadata
+    arch = m.get("general.architecture")
+    kind = "gguf-adapter" if m.get("general.type") == "adapter" else "gguf-model"
+    types = Counter(t.type.name if hasattr(t.type, "name") else f"ggml type {t.type}" for t in f.tensors.values())
+    tokens = m.get("tokenizer.ggml.tokens")
+    return GGUFInfo(kind=kind, path=path, gguf_version=f.version, architecture=arch, name=m.get("general.name"),
+                    tensors=len(f.tensors), tensor_types=dict(types),
+                    parameters=sum(_count(t.shape) for t in f.tensors.values()),
+                    bytes=sum(t.nbytes or 0 for t in f.tensors.values()),
+                    chat_template="tokenizer.chat_template" in m, adapter_type=m.get("adapter.type"),
+                    lora_alpha=m.get("adapter.lora.alpha"), block_count=m.get(f"{arch}.block_count"),
+                    context_length=m.get(f"{arch}.context_length"), tokenizer=m.get("tokenizer.ggml.model"),
+                    vocab=len(tokens) if isinstance(tokens, list) else None)
+
+
 def _count(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
@@ -190,7 +232,8 @@ def _inspect_peft(path: str) -> PeftInfo:
 
 
 def inspect_path(path: str, step: int | None = None, *, revision: str | None = None) -> Info:
-    """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter) and summarise it; an
+    """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter, safetensors or GGUF
+    file) and summarise it; an
     Orbax checkpoint may be on Cloud Storage (``gs://``), a model a Hub id (at ``revision``)."""
     from ckptbridge import hub
     from ckptbridge.io import storage
@@ -208,8 +251,10 @@ def inspect_path(path: str, step: int | None = None, *, revision: str | None = N
             return SafetensorsInfo(kind="safetensors-file", path=path, tensors=len(f.keys()),
                                    parameters=sum(_count(f.info(k).shape) for k in f.keys()),
                                    dtypes=dict(Counter(f.info(k).dtype for k in f.keys())), metadata=f.metadata)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _inspect_gguf(path)
     if not os.path.isdir(path):
-        raise InputNotFoundError(f"{path}: not a directory or a .safetensors file")
+        raise InputNotFoundError(f"{path}: not a directory, a .safetensors or a .gguf file")
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return _inspect_peft(path)
     if is_hf_directory(path):

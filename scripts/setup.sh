@@ -78,7 +78,7 @@ quant_steps() { tool_env quant "$@"; }
 newest_steps() {
   "$@" install "torch==2.13.0"  # the only CPU build here; any other release is a CUDA build of several GB
   "$@" install --upgrade --upgrade-strategy eager -e ".[orbax,gcs,hub,verify,train]" "torch==2.13.0" \
-    pytest pytest-timeout hypothesis tokenizers gcp-storage-emulator httpx aiohttp
+    pytest pytest-timeout hypothesis tokenizers gcp-storage-emulator httpx aiohttp gguf
 }
 
 ensure_env .venv core_steps requirements/core.txt requirements/core.lock pyproject.toml
