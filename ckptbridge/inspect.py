@@ -17,7 +17,8 @@ from ckptbridge.sources import is_hf_directory
 from ckptbridge.specs import get_family, parse_config
 
 SUMMARY_ORDER = ("architecture", "name", "gguf_version", "adapter_type", "block_count", "context_length",
-                 "tokenizer", "vocab", "chat_template", "tensor_types", "family", "model_type", "config_dialect", "key_prefix", "layers", "layer_kinds", "towers",
+                 "tokenizer", "vocab", "chat_template", "tensor_types", "family", "model_type", "config_dialect",
+                 "key_prefix", "layers", "layer_kinds", "towers",
                  "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
                  "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
                  "lora_ranks", "leaves", "tensors", "dtypes", "quantization", "parameters", "bytes", "files",
