@@ -137,7 +137,7 @@ class GGUFInfo(Info):
     lora_alpha: float | None = None
     block_count: int | None = None
     context_length: int | None = None
-    tokenizer: str | None = None  # tokenizer.ggml.model (gpt2: BPE, llama: SentencePiece, ...)
+    tokenizer: str | None = None  # tokenizer.ggml.model (e.g. gpt2 for BPE)
     vocab: int | None = None
 
 
