@@ -37,7 +37,7 @@ DEFAULT_MEMORY_BUDGET = options.parse_size(options.DEFAULT_MEMORY_BUDGET)
 MAX_QUEUED_PER_WORKER = 4  # pieces started ahead per worker at most, however small they are
 # Default workers of the verbs whose pieces are encoded or decoded on TensorStore's own threads
 # (safetensors-to-orbax, orbax-to-safetensors): ours only read and rearrange, and TensorStore's
-# codec threads use every core besides. On a 13-core host (docs/benchmarks.md, "Conversions on a
+# codec threads use every core besides. On a 13-core host (docs/benchmarks.md, "On a
 # TPU host's 13 cores") 4 of ours were as fast as 13 or faster, with 40% less CPU for o2s.
 CODEC_VERB_WORKERS = 4
 
