@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import gguf  # llama.cpp's gguf-py, in every test environment (requirements/*.txt): the reference
 import ml_dtypes
@@ -200,3 +201,30 @@ def test_inspect_says_what_a_gguf_file_holds(tmp_path):
     broken.write_bytes(open(path, "rb").read()[:300])
     r = run_cli("inspect", str(broken))
     assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "truncated" in r.stderr
+
+
+def test_nested_arrays_and_odd_headers(tmp_path):
+    """What gguf-py writes for an array of arrays reads back; a header that claims too many
+    dimensions or a zero alignment is one clear error."""
+    p = str(tmp_path / "nested.gguf")
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_array("x.nested", [[1, 2], [3]])
+    w.add_custom_alignment(64)
+    w.add_tensor("t", np.ones((2, 3), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = ours.read_gguf(p)
+    assert f.metadata["x.nested"] == [[1, 2], [3]] and f.alignment == 64 and f.tensors["t"].offset % 64 == 0
+    assert np.array_equal(f.values("t"), np.ones((2, 3), np.float32))
+
+    bad = str(tmp_path / "zero-align.gguf")
+    ours.write_gguf(bad, {"general.alignment": ours.u32(32)}, [])
+    data = bytearray(open(bad, "rb").read())
+    at = data.index(b"general.alignment") + len("general.alignment") + 4  # the value, after its key and type
+    assert data[at:at + 4] == struct.pack("<I", 32)
+    data[at:at + 4] = struct.pack("<I", 0)
+    open(bad, "wb").write(data)
+    with pytest.raises(CorruptFileError, match="general.alignment is 0"):
+        ours.read_gguf(bad)

@@ -33,6 +33,7 @@ MAGIC = b"GGUF"
 VERSION = 3
 ALIGNMENT = 32  # general.alignment when a file does not set it
 QK8_0 = 32  # values per Q8_0 block
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
 class ValueType(enum.IntEnum):
@@ -191,8 +192,8 @@ def _alignment(metadata: Mapping[str, Value]) -> int:
     v = metadata.get("general.alignment")
     if v is None:
         return ALIGNMENT
-    if v.type is not ValueType.UINT32 or v.value <= 0 or v.value % 8:
-        raise ValueError(f"general.alignment must be a UINT32 multiple of 8, not {v}")
+    if v.type is not ValueType.UINT32 or v.value <= 0 or v.value & (v.value - 1):
+        raise ValueError(f"general.alignment must be a UINT32 power of two, not {v}")
     return int(v.value)
 
 
@@ -323,18 +324,21 @@ class _Reader:
 
     def value(self, what: str) -> tuple[ValueType, Any]:
         t = self.value_type(self.unpack("<I", what)[0], what)
-        if t is not ValueType.ARRAY:
-            return t, self.item(t, what)
+        return t, (self.items(what) if t is ValueType.ARRAY else self.item(t, what))
+
+    def items(self, what: str) -> list:
+        """An array's items: their type, count and values (an array of arrays holds each inner
+        array's type, count and values in turn)."""
         item_t = self.value_type(self.unpack("<I", what)[0], what)
         (count,) = self.unpack("<Q", what)
         if item_t is ValueType.ARRAY:
-            return t, [self.value(what)[1] for _ in range(count)]
+            return [self.items(what) for _ in range(count)]
         if item_t is ValueType.STRING:
-            return t, [self.string(what) for _ in range(count)]
+            return [self.string(what) for _ in range(count)]
         fmt = np.dtype(_SCALARS[item_t])
         if count * fmt.itemsize > self.size:
             raise CorruptFileError(f"{self.path}: {what} claims {count} items, more than the file holds")
-        return t, np.frombuffer(self.take(count * fmt.itemsize, what), fmt).tolist()
+        return np.frombuffer(self.take(count * fmt.itemsize, what), fmt).tolist()
 
     def value_type(self, code: int, what: str) -> ValueType:
         try:
@@ -360,11 +364,15 @@ def read_gguf(path: str) -> GGUFFile:
         for n in range(n_kv):
             key = r.string(f"metadata key {n}")
             types[key], metadata[key] = r.value(f"metadata {key!r}")
-        alignment = int(metadata.get("general.alignment", ALIGNMENT))
+        alignment = metadata.get("general.alignment", ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise CorruptFileError(f"{path}: general.alignment is {alignment!r}, not a positive integer")
         table = []
         for n in range(n_tensors):
             name = r.string(f"tensor entry {n}")
             (dims,) = r.unpack("<I", f"tensor {name!r}")
+            if dims > MAX_DIMS:
+                raise CorruptFileError(f"{path}: tensor {name!r} has {dims} dimensions; ggml allows {MAX_DIMS}")
             shape = tuple(reversed(r.unpack(f"<{dims}Q", f"tensor {name!r}")))
             code, offset = r.unpack("<IQ", f"tensor {name!r}")
             table.append((name, shape, code, offset))
