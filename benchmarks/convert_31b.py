@@ -18,7 +18,8 @@ rate from one core to all. It needs no more than the core extra (no ``/usr/bin/t
 processes keep this environment, PYTHONPATH included).
 
     .venv/bin/python benchmarks/convert_31b.py [--layers 2 4] [--repeat 3] [--chunk-size 32MiB]
-        [--workers 1 2 4 8 13] [--no-pin] [--no-half] [--memory-budget SIZE] [--dir DIR] [--keep] [--out FILE]
+        [--workers 1 2 4 8 13] [--no-pin] [--no-half] [--no-uncompressed] [--memory-budget SIZE] [--dir DIR]
+        [--keep] [--out FILE]
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main() -> None:
                     help="also run both conversions with each of these --workers (default: 1; e.g. 1 2 4 8 13)")
     ap.add_argument("--no-pin", action="store_true", help="leave out the run pinned to one core (taskset)")
     ap.add_argument("--memory-budget", help="--memory-budget of every conversion (default: ckptbridge's)")
+    ap.add_argument("--no-uncompressed", action="store_true",
+                    help="leave out the conversions without compression after the timed runs")
     ap.add_argument("--no-half", action="store_true",
                     help="leave out the model with half the embedding (the peak RSS check of the largest tensor)")
     args = ap.parse_args()
@@ -108,8 +111,21 @@ def main() -> None:
             else tempfile.mkdtemp(prefix="convert-31b-", dir=args.dir))
     os.makedirs(work, exist_ok=True)
     orbax, back, copy = (os.path.join(work, n) for n in ("orbax", "back", "copy"))
-    rows = []
+    rows: list = []
     flat: dict = {}
+
+    def save(partial: dict | None = None) -> None:
+        """The results so far into --out (after every repeat: a run cut short keeps what it took)."""
+        if not args.out:
+            return
+        with open(args.out, "w") as f:
+            json.dump({"chunk_size": args.chunk_size,
+                       "memory_budget": args.memory_budget or options.DEFAULT_MEMORY_BUDGET,
+                       "cores": len(os.sched_getaffinity(0)),
+                       "default_workers": stream.default_workers(stream.CODEC_VERB_WORKERS),
+                       "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in how.items()},
+                       "rows": rows + ([partial] if partial else []), "half_embedding": flat,
+                       "complete": partial is None}, f, indent=2)
     try:
         half_vocab = GEMMA4_31B["vocab_size"] // 2
         half = None if args.no_half else _base(work, args.layers[0], half_vocab)
@@ -139,6 +155,7 @@ def main() -> None:
                     line += (f"; {name}: s2o {runs[name]['s2o'][-1]['wall_s']:.1f} s, "
                              f"o2s {runs[name]['o2s'][-1]['wall_s']:.1f} s")
                 print(line, flush=True)
+                save({**row, "runs": runs})
             row["runs"] = runs
             row["cp_s"], row["cp_sync_s"] = statistics.median(runs["cp_s"]), statistics.median(runs["cp_sync_s"])
             row["configs"] = {c: {d: _median(runs[c][d]) for d in ("s2o", "o2s")} for c in how}
@@ -146,10 +163,12 @@ def main() -> None:
             row["orbax_bytes"] = dir_bytes(orbax)
             row["round_trip_identical"] = subprocess.run(
                 [sys.executable, "-m", "ckptbridge", "verify", "tensors", base, back], capture_output=True).returncode == 0
-            row["s2o_nc"] = _convert("safetensors-to-orbax", base, orbax, "--no-compression", *opts)
-            row["orbax_nc_bytes"] = dir_bytes(orbax)
-            row["o2s_nc"] = _convert("orbax-to-safetensors", orbax, back, *opts)
+            if not args.no_uncompressed:
+                row["s2o_nc"] = _convert("safetensors-to-orbax", base, orbax, "--no-compression", *opts)
+                row["orbax_nc_bytes"] = dir_bytes(orbax)
+                row["o2s_nc"] = _convert("orbax-to-safetensors", orbax, back, *opts)
             rows.append(row)
+            save()
             if halves["s2o"]:
                 flat = {"layers": k, "vocab": half_vocab, "base_bytes": dir_bytes(half), "runs": halves,
                         "s2o": _median(halves["s2o"]), "o2s": _median(halves["o2s"])}
@@ -176,8 +195,9 @@ def main() -> None:
             one, every = r["configs"]["1 core"], r["configs"]["all cores"]
             print(f"   1 core -> all cores: s2o {one['s2o']['wall_s'] / every['s2o']['wall_s']:.2f}x, "
                   f"o2s {one['o2s']['wall_s'] / every['o2s']['wall_s']:.2f}x the rate")
-        print(f"   no compression: s2o {r['s2o_nc']['wall_s']:.2f} s, o2s {r['o2s_nc']['wall_s']:.2f} s; Orbax "
-              f"{r['orbax_bytes'] / 2**30:.2f} GiB, {r['orbax_nc_bytes'] / 2**30:.2f} GiB uncompressed")
+        if "s2o_nc" in r:
+            print(f"   no compression: s2o {r['s2o_nc']['wall_s']:.2f} s, o2s {r['o2s_nc']['wall_s']:.2f} s; Orbax "
+                  f"{r['orbax_bytes'] / 2**30:.2f} GiB, {r['orbax_nc_bytes'] / 2**30:.2f} GiB uncompressed")
         print(f"   round trip bit-identical (verify tensors): {r['round_trip_identical']}")
     first = rows[0]
     if flat:
@@ -185,14 +205,7 @@ def main() -> None:
               f"{flat['s2o']['peak_rss_mb']:.0f} -> {first['s2o']['peak_rss_mb']:.0f} MB "
               f"({first['s2o']['peak_rss_mb'] / flat['s2o']['peak_rss_mb']:.2f}x), o2s {flat['o2s']['peak_rss_mb']:.0f} -> "
               f"{first['o2s']['peak_rss_mb']:.0f} MB ({first['o2s']['peak_rss_mb'] / flat['o2s']['peak_rss_mb']:.2f}x)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"chunk_size": args.chunk_size,
-                       "memory_budget": args.memory_budget or options.DEFAULT_MEMORY_BUDGET,
-                       "cores": len(os.sched_getaffinity(0)), "default_workers": stream.default_workers(stream.CODEC_VERB_WORKERS),
-                       "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in how.items()},
-                       "rows": rows, "half_embedding": flat}, f, indent=2)
-
+    save()
 
 if __name__ == "__main__":
     main()
