@@ -326,9 +326,9 @@ def test_memory_of_one_decoder_layer_at_31b_width():
     decoder layer adds at most 0.25 GB beyond its weights (it keeps its input, 3072 x 5376
     values), and no program returns or copies a weight (the step held a copy of every base weight
     in its outputs); decoder_dots keeps the layer's projections (about (q + kv + o + 2F + D) x 3072
-    values); without remat a layer keeps gigabytes (the analysis sees activations at all)."""
+    values), which shows that the analysis sees what a layer keeps for the backward pass."""
     beyond = {}
-    for remat in ("decoder", "decoder_dots", "none"):
+    for remat in ("decoder", "decoder_dots"):
         two, three = step_memory(2, f"remat={remat}"), step_memory(3, f"remat={remat}")
         for m in (two, three):
             assert m["output"] - m["alias"] < 0.2e9, (remat, m)  # LoRA gradients and scalars only
@@ -337,7 +337,6 @@ def test_memory_of_one_decoder_layer_at_31b_width():
     assert beyond["decoder"] <= 0.25e9, gb
     kept = (8192 + 2 * 4096 + 5376 + 2 * 21504 + 5376) * 3072 * 4  # q, k+v, o, gate+up, down: float32
     assert 0.8 * kept <= beyond["decoder_dots"] - beyond["decoder"] <= 1.3 * kept, gb
-    assert beyond["none"] >= 2e9, gb
 
 
 @pytest.mark.parametrize("name", ["keqv_lm_f32_sharded", "gemma4_e2b", "qwen3_moe", "qwen3_untied", "llama3_tied",
