@@ -121,7 +121,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"chunk_size": args.chunk_size,
                        "memory_budget": args.memory_budget or options.DEFAULT_MEMORY_BUDGET,
-                       "cores": len(os.sched_getaffinity(0)),
+                       "cores": stream.usable_cores(),
                        "default_workers": stream.default_workers(stream.CODEC_VERB_WORKERS),
                        "configs": {name: {"pin": pin, "flags": flags} for name, (pin, flags) in how.items()},
                        "rows": rows + ([partial] if partial else []), "half_embedding": flat,
@@ -180,7 +180,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])} ({len(os.sched_getaffinity(0))} cores)")
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])} ({stream.usable_cores()} cores)")
     print(f"{'k':>2} {'base GiB':>8} {'cp s':>6} {'cp+sync':>7} | {'how':<22} | {'s2o s':>6} {'x cp+sync':>9} "
           f"{'RSS MB':>6} {'CPU s':>6} | {'o2s s':>6} {'x cp+sync':>9} {'RSS MB':>6} {'CPU s':>6}")
     for r in rows:

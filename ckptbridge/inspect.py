@@ -142,13 +142,14 @@ class GGUFInfo(Info):
 
 
 def _inspect_gguf(path: str) -> GGUFInfo:
-    from ckptbridge.io.gguf import read_gguf
+    from ckptbridge.io.gguf import TensorType, read_gguf
 
     f = read_gguf(path)
     m = f.metadata
     arch = m.get("general.architecture")
     kind = "gguf-adapter" if m.get("general.type") == "adapter" else "gguf-model"
-    types = Counter(t.type.name if hasattr(t.type, "name") else f"ggml type {t.type}" for t in f.tensors.values())
+    types = Counter(t.type.name if isinstance(t.type, TensorType) else f"ggml type {t.type}"
+                    for t in f.tensors.values())
     tokens = m.get("tokenizer.ggml.tokens")
     return GGUFInfo(kind=kind, path=path, gguf_version=f.version, architecture=arch, name=m.get("general.name"),
                     tensors=len(f.tensors), tensor_types=dict(types),

@@ -28,6 +28,7 @@ import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
 from ckptbridge.io.atomic import atomic_directory, check_destination
+from ckptbridge.io.safetensors import DTYPES
 
 MAGIC = b"GGUF"
 VERSION = 3
@@ -82,18 +83,10 @@ class TensorType(enum.IntEnum):
         themselves for float types, ``uint8`` blocks (innermost dimension in bytes) for Q8_0."""
         if self is TensorType.Q8_0:
             return np.dtype(np.uint8), (*shape[:-1], shape[-1] // QK8_0 * _BLOCKS[self][1])
-        return _float_dtype(self), tuple(shape)
+        return DTYPES[self.name], tuple(shape)  # F32, F16, BF16: the safetensors codes of the same dtypes
 
 
 _BLOCKS = {TensorType.F32: (1, 4), TensorType.F16: (1, 2), TensorType.BF16: (1, 2), TensorType.Q8_0: (QK8_0, 34)}
-
-
-def _float_dtype(t: TensorType) -> np.dtype:
-    if t is TensorType.BF16:
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({TensorType.F32: np.float32, TensorType.F16: np.float16}[t])
 
 
 @dataclasses.dataclass(frozen=True)
