@@ -4,6 +4,7 @@
     ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB] [--quantize int8|fp8]
     ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
+    ckptbridge convert to-gguf SRC DST.gguf [--adapter ADAPTER] [--outtype f32|f16|bf16|q8_0]
     ckptbridge merge BASE ADAPTER DST [--quantize int8|fp8]
     ckptbridge quantize SRC DST --scheme int8|fp8
     ckptbridge inspect PATH [--json]
@@ -135,6 +136,16 @@ def cmd_p2o(args) -> int:
     _emit(args, convert_peft_to_orbax(args.src, args.dst, base=args.base, kv=args.kv, step=args.step,
                                       overwrite=args.overwrite, **_parallel(args), progress=_progress(args),
                                       revision=args.revision))
+    return 0
+
+
+def cmd_to_gguf(args) -> int:
+    from ckptbridge.gguf_export import convert_to_gguf
+
+    _emit(args, convert_to_gguf(args.src, args.dst, adapter=args.adapter, outtype=args.outtype, step=args.step,
+                                alpha=args.alpha, tokenizer=not args.no_tokenizer, name=args.name,
+                                overwrite=args.overwrite, **_parallel(args), progress=_progress(args),
+                                revision=args.revision))
     return 0
 
 
@@ -384,6 +395,34 @@ def add_p2o(csub) -> None:
     sp.set_defaults(extra="orbax", func=cmd_p2o)
 
 
+def add_to_gguf(csub) -> None:
+    sp = csub.add_parser(
+        "to-gguf", help="model (HF, Orbax, or base + LoRA) -> GGUF file for ggml's runtimes (Ollama, LM Studio)",
+        description="Write a model as one GGUF file, as ggml's own converter (convert_hf_to_gguf.py) writes it for "
+        "the same model: from an HF model directory or Hub id, a Tunix Orbax weights checkpoint, or an HF base with "
+        "a PEFT adapter or Tunix/qwix LoRA checkpoint merged on the way; tokenizer and chat template included. "
+        "Norms, 1-D tensors and routers stay float32; Q8_0 falls back to float16 for rows that are not whole "
+        "blocks of 32. Streaming: memory stays within the budget plus one tensor that must be whole (a q/k "
+        "projection whose rows are reordered).",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="SRC", help="HF model directory or Hub id, or a Tunix Orbax weights checkpoint "
+                    "(local or gs://)")
+    sp.add_argument("dst", metavar="DST", help="GGUF file to create (e.g. model-Q8_0.gguf)")
+    sp.add_argument("--adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or a Tunix/qwix Orbax "
+                    "LoRA checkpoint, merged into SRC (an HF directory) on the way")
+    sp.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="bf16",
+                    help="stored type of the weights (default bf16: the source's bits for bf16 models)")
+    sp.add_argument("--no-tokenizer", action="store_true",
+                    help="leave the tokenizer out (ggml's runtimes then need it from elsewhere)")
+    sp.add_argument("--name", help="general.name (default: from the source directory's name, as ggml's converter)")
+    _orbax_lora_options(sp)
+    _parallel_options(sp, "read, merge and quantize row blocks ahead of the writer")
+    _revision_option(sp, "SRC")
+    _output_options(sp)
+    sp.set_defaults(func=cmd_to_gguf)
+
+
 def add_merge(sub) -> None:
     sp = sub.add_parser(
         "merge", help="merge a LoRA adapter into the base model", epilog=EPILOG,
@@ -543,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     conv = sub.add_parser("convert", help="convert a checkpoint", description="Convert a checkpoint.", epilog=EPILOG)
     csub = conv.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    for add in (add_s2o, add_o2s, add_o2p, add_p2o):
+    for add in (add_s2o, add_o2s, add_o2p, add_p2o, add_to_gguf):
         add(csub)
     add_merge(sub)
     add_quantize(sub)
@@ -569,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Verbs that need more than their own extra for some inputs: (which inputs, the extra).
 INPUT_EXTRAS = {
     "merge": [("Orbax adapter", "orbax")],
+    "convert to-gguf": [("Orbax checkpoint or adapter", "orbax")],
     "inspect": [("Orbax checkpoint", "orbax")],
     "verify adapter": [("Orbax adapter", "orbax"), ("live and exact checks", "verify")],
 }

@@ -51,6 +51,12 @@ def _merged_block(model: HFModelDir, key: str, factors: list[tuple[int, np.ndarr
     return merged.astype(numpy_dtype(model.info(key).dtype))
 
 
+def merged_rows(model: HFModelDir, key: str, factors, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of ``key`` (as a matrix of its last axis) with the deltas ``factors``
+    (``(first row, float32 A, float32 scale * B)``) added as the merge adds them; as stored without."""
+    return _block(model, key, list(factors), start, stop, None)
+
+
 def _rows_per_block(model: HFModelDir, key: str, block_bytes: int) -> int:
     return max(1, block_bytes // (4 * model.info(key).shape[-1]))
 

@@ -6,10 +6,14 @@
 #   .venv-floor  every dependency at the floor pyproject.toml declares (requirements/floor.txt)
 #   .venv-serve-floor  vLLM's side of the serve extra at its floors (requirements/floor-serve.txt)
 #   .venv-quant  llm-compressor, the reference quantized outputs are compared with (requirements/quant.txt)
-# Usage: scripts/setup.sh [--newest]
+#   build/ggml   ggml's converter (convert_hf_to_gguf.py, conversion/, gguf-py) from the llama-cpp-python
+#                sdist: the reference tests/test_gguf_export.py compares GGUF exports with (run, not installed)
+# Usage: scripts/setup.sh [--newest] [--ggml]
 #   --newest  also (re)build .venv-newest: the extras at the newest versions pip resolves today,
 #             unpinned (then: CKPTBRIDGE_COMPARE_ENVS=.venv-newest ./test.sh tests/test_environments.py,
 #             and ./test.sh --env .venv-newest)
+#   --ggml    also build .venv-ggml: llama-cpp-python compiled from that sdist (4-9 minutes on 2 cores),
+#             for tests/test_gguf_llama_cpp.py (ggml's own logits and tokens of our GGUF files)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -86,6 +90,28 @@ ensure_env .venv-serve serve_steps requirements/serve.txt requirements/serve.loc
 ensure_env .venv-floor floor_steps requirements/floor.txt requirements/floor.lock pyproject.toml
 ensure_env .venv-serve-floor serve_floor_steps requirements/floor-serve.txt requirements/floor-serve.lock
 ensure_env .venv-quant quant_steps requirements/quant.txt requirements/quant.lock
+
+# ggml's converter, from the sdist of the llama-cpp-python release requirements/ggml.txt pins
+ggml_sdist="$(grep -o '^llama-cpp-python==[0-9.]*' requirements/ggml.txt)"
+ggml_stamp="build/ggml/.${ggml_sdist}"
+if [ ! -f "$ggml_stamp" ]; then
+  echo "setup: unpacking ggml's converter from the $ggml_sdist sdist into build/ggml" >&2
+  rm -rf build/ggml && mkdir -p build/ggml/sdist
+  pip_quiet .venv/bin/python -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
+    "$ggml_sdist" -d build/ggml/sdist
+  tar xzf build/ggml/sdist/*.tar.gz -C build/ggml --strip-components=3 --wildcards \
+    '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' '*/vendor/llama.cpp/gguf-py'
+  touch "$ggml_stamp"
+fi
+ggml_steps() {
+  "$@" install -r requirements/ggml.txt --no-binary llama-cpp-python -f build/ggml/sdist
+}
+for arg in "$@"; do
+  if [ "$arg" = "--ggml" ]; then
+    ensure_env .venv-ggml ggml_steps requirements/ggml.txt
+  fi
+done
+
 if [ "${1:-}" = "--newest" ]; then
   rm -f .venv-newest/.setup-stamp  # newest means today's
   ensure_env .venv-newest newest_steps pyproject.toml

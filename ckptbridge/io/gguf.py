@@ -155,12 +155,14 @@ def _padding(n: int, alignment: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class PlannedTensor:
     """A tensor to write: its name, numpy shape (of the values, not of Q8_0's bytes), type, and
-    a function that makes its stored form when its turn comes (:meth:`TensorType.storage`)."""
+    a function that makes its stored form when its turn comes (:meth:`TensorType.storage`): the
+    whole array, or an iterable of its pieces in order (runs of its outermost rows, any shape),
+    whose bytes together are the tensor's."""
 
     name: str
     shape: tuple[int, ...]
     type: TensorType
-    produce: Callable[[], np.ndarray]
+    produce: Callable[[], np.ndarray | Iterable[np.ndarray]]
 
     @property
     def nbytes(self) -> int:
@@ -220,10 +222,21 @@ def write_gguf(dst: str, metadata: Mapping[str, Value], tensors: Iterable[Planne
 def _write_tensor(f: BinaryIO, t: PlannedTensor, alignment: int) -> None:
     want_dtype, want_shape = t.type.storage(t.shape)
     data = t.produce()
-    if data.dtype != want_dtype or tuple(data.shape) != want_shape:
-        raise MismatchError(f"{t.name}: produced {data.dtype} {tuple(data.shape)}, a {t.type.name} tensor of shape "
-                            f"{t.shape} is stored as {want_dtype} {want_shape}")
-    f.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+    if isinstance(data, np.ndarray):
+        if data.dtype != want_dtype or tuple(data.shape) != want_shape:
+            raise MismatchError(f"{t.name}: produced {data.dtype} {tuple(data.shape)}, a {t.type.name} tensor of "
+                                f"shape {t.shape} is stored as {want_dtype} {want_shape}")
+        data = [data]
+    written = 0
+    for piece in data:
+        if piece.dtype != want_dtype:
+            raise MismatchError(f"{t.name}: produced a piece of {piece.dtype}, a {t.type.name} tensor is stored as "
+                                f"{want_dtype}")
+        f.write(np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data)
+        written += piece.nbytes
+    if written != t.nbytes:
+        raise MismatchError(f"{t.name}: produced {written} bytes, a {t.type.name} tensor of shape {t.shape} has "
+                            f"{t.nbytes}")
     f.write(b"\0" * _padding(t.nbytes, alignment))
 
 

@@ -220,6 +220,8 @@ class FamilySpec:
       peft_params: parameters PEFT adapters may target with ``target_parameters`` (merge only).
       experts: ``(cfg) -> Experts | None``: the config's mixture-of-experts MLP (None: dense);
         tensors with an ``e`` axis are its experts, of which ``top_k`` run per token.
+      gguf: model type -> its :class:`ckptbridge.specs.ggml.GGUFSpec` (how ggml names and computes
+        it); a model type without one has no GGUF export.
       vocab_axes: axes of tables read by token id (embeddings, an untied head's rows): a tensor
         with one is no matmul of the layers (model FLOP counts).
     """
@@ -240,6 +242,7 @@ class FamilySpec:
     peft_params: tuple[PeftParam, ...] = ()
     experts: Callable[[Any], Any] | None = None
     vocab_axes: tuple[str, ...] = ("v",)
+    gguf: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Check the table against the family's own vocabulary (a programming error, at import)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import UnsupportedError
-from ckptbridge.specs import dfirst
+from ckptbridge.specs import dfirst, ggml
 from ckptbridge.specs import gemma_rows as G
 from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 
@@ -190,15 +190,44 @@ def gemma2_tiny(**overrides: Any) -> dict:
                                                   "attn_logit_softcapping": 50.0}, overrides)
 
 
+def gguf_metadata(h: dict, block_count: int) -> list:
+    """Gemma 1's keys in the converter's order (it writes its own list, not the common one)."""
+    from ckptbridge.io.gguf import f32, u32
+
+    return [("{arch}.context_length", u32(h["max_position_embeddings"])),
+            ("{arch}.embedding_length", u32(h["hidden_size"])), ("{arch}.block_count", u32(block_count)),
+            ("{arch}.feed_forward_length", u32(h["intermediate_size"])),
+            ("{arch}.attention.head_count", u32(h["num_attention_heads"])),
+            ("{arch}.attention.head_count_kv", u32(h.get("num_key_value_heads", h["num_attention_heads"]))),
+            ("{arch}.attention.layer_norm_rms_epsilon", f32(h["rms_norm_eps"])),
+            ("{arch}.attention.key_length", u32(h["head_dim"])), ("{arch}.attention.value_length", u32(h["head_dim"])),
+            (ggml.FILE_TYPE, None)]
+
+
+def gguf2_metadata(h: dict, block_count: int) -> list:
+    """Gemma 2's: Gemma 1's, then the two softcaps and the window."""
+    from ckptbridge.io.gguf import f32, u32
+
+    return gguf_metadata(h, block_count) + [
+        ("{arch}.attn_logit_softcapping", f32(h["attn_logit_softcapping"])),
+        ("{arch}.final_logit_softcapping", f32(h["final_logit_softcapping"])),
+        ("{arch}.attention.sliding_window", u32(h["sliding_window"]))]
+
+
+GGUF = ggml.GGUFSpec(arch="gemma", names=ggml.COMMON_NAMES, metadata=gguf_metadata, norm_shift=1.0,
+                     spm_ids={"eot_token_id": 107})
+GGUF2 = ggml.GGUFSpec(arch="gemma2", names={**ggml.COMMON_NAMES, **ggml.SANDWICH_NAMES}, metadata=gguf2_metadata,
+                      norm_shift=1.0)
+
 GEMMA = FamilySpec(
     name="gemma", types=(ModelType("gemma", "GemmaForCausalLM", "model.", gemma1_tiny),), rules=GEMMA1_RULES,
     key_prefixes=("model.",), parse_config=parse_config, axes=G.AXES,
     model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX,
-    vllm_tiny=VLLM_DIMS,
+    vllm_tiny=VLLM_DIMS, gguf={"gemma": GGUF},
 )
 GEMMA2 = FamilySpec(
     name="gemma2", types=(ModelType("gemma2", "Gemma2ForCausalLM", "model.", gemma2_tiny),), rules=GEMMA2_RULES,
     key_prefixes=("model.",), parse_config=parse_config, axes=G.AXES,
     model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX,
-    vllm_tiny={**VLLM_DIMS, **GEMMA2_VLLM},
+    vllm_tiny={**VLLM_DIMS, **GEMMA2_VLLM}, gguf={"gemma2": GGUF2},
 )

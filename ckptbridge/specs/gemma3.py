@@ -24,6 +24,7 @@ from typing import Any
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
+from ckptbridge.specs import ggml
 from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 
 RULES: tuple[TensorRule, ...] = (
@@ -239,6 +240,29 @@ def tiny_config(model_type: str = "gemma3_text", **overrides: Any) -> dict:
             "mm_tokens_per_image": 4, "tie_word_embeddings": True}
 
 
+def gguf_metadata(h: dict, block_count: int) -> list:
+    """The common keys, then the ones the converter sets again for Gemma 3 (in their places) or adds."""
+    from ckptbridge.io.gguf import f32, u32
+
+    out = ggml.base_metadata(h, block_count)
+    rope = ggml.rope_parameters(h)
+    ggml.put(out, "{arch}.context_length", u32(h.get("max_position_embeddings", 131072)))
+    ggml.put(out, "{arch}.attention.head_count", u32(h.get("num_attention_heads", 8)))
+    ggml.put(out, "{arch}.attention.layer_norm_rms_epsilon", f32(h.get("rms_norm_eps", 1e-6)))
+    ggml.put(out, "{arch}.attention.key_length", u32(h.get("head_dim", 256)))
+    ggml.put(out, "{arch}.attention.value_length", u32(h.get("head_dim", 256)))
+    ggml.put(out, "{arch}.rope.freq_base", f32(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0)))
+    if h.get("final_logit_softcapping"):
+        ggml.put(out, "{arch}.final_logit_softcapping", f32(h["final_logit_softcapping"]))
+    if h.get("sliding_window_pattern") != 1:
+        ggml.put(out, "{arch}.attention.sliding_window", u32(h["sliding_window"]))
+    ggml.put(out, "{arch}.attention.head_count_kv", u32(h.get("num_key_value_heads", 4)))
+    return out
+
+
+GGUF = ggml.GGUFSpec(arch="gemma3", names={**ggml.COMMON_NAMES, **ggml.SANDWICH_NAMES}, metadata=gguf_metadata,
+                     norm_shift=1.0)
+
 DEFAULT_PREFIXES = {"gemma3": "language_model.model.", "gemma3_text": "model."}
 
 GEMMA3 = FamilySpec(
@@ -259,4 +283,5 @@ GEMMA3 = FamilySpec(
     tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config,
                      mismatches=mismatches, trace_tokens=4, head=G.embedding_head),
     vllm_tiny=VLLM_DIMS,
+    gguf={"gemma3_text": GGUF, "gemma3": GGUF},
 )

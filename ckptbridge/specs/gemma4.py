@@ -27,6 +27,7 @@ from typing import Any
 from ckptbridge.config import FULL, SLIDING, Experts, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
+from ckptbridge.specs import ggml
 from ckptbridge.specs.base import FamilySpec, ModelType, PeftParam, TensorRule, TunixModel
 
 R = TensorRule
@@ -437,6 +438,71 @@ def to_per_layer_config(config_path: str) -> None:
         json.dump(cfg, f, indent=2)
 
 
+def gguf_metadata(h: dict, block_count: int) -> list:
+    """Gemma 3's keys, then Gemma 4's: per-layer kv heads and MLP widths where they differ, the
+    sliding pattern, both head sizes and rotary widths (the global layers' partial rotation is in
+    ``rope_freqs``)."""
+    from ckptbridge.io.gguf import ValueType, array, u32
+    from ckptbridge.specs import gemma3
+
+    out = gemma3.gguf_metadata(h, block_count)
+    shared = h["num_kv_shared_layers"]
+    ggml.put(out, "{arch}.attention.shared_kv_layers", u32(shared))
+    ggml.put(out, "{arch}.embedding_length_per_layer_input", u32(h.get("hidden_size_per_layer_input") or 0))
+    swa = [t == SLIDING for t in h["layer_types"]]
+    ggml.put(out, "{arch}.attention.sliding_window_pattern", array(swa, ValueType.BOOL))
+    full_dim, swa_dim = h["global_head_dim"], h["head_dim"]
+    ggml.put(out, "{arch}.attention.key_length", u32(full_dim))
+    ggml.put(out, "{arch}.attention.value_length", u32(full_dim))
+    ggml.put(out, "{arch}.attention.key_length_swa", u32(swa_dim))
+    ggml.put(out, "{arch}.attention.value_length_swa", u32(swa_dim))
+    expert_width = ggml.first(h, "expert_intermediate_size", "moe_intermediate_size")
+    if expert_width is not None:
+        ggml.put(out, "{arch}.expert_feed_forward_length", u32(expert_width))
+    if h.get("use_double_wide_mlp", False):
+        n_ff, unshared = h["intermediate_size"], block_count - shared
+        ggml.put(out, "{arch}.feed_forward_length",
+                 array([n_ff if i < unshared else 2 * n_ff for i in range(block_count)], ValueType.INT32))
+    full_kv, swa_kv = h.get("num_global_key_value_heads"), h.get("num_key_value_heads")
+    if full_kv is not None and swa_kv is not None:
+        ggml.put(out, "{arch}.attention.head_count_kv", array([swa_kv if s else full_kv for s in swa], ValueType.INT32))
+    ggml.put(out, "{arch}.rope.dimension_count", u32(full_dim))
+    ggml.put(out, "{arch}.rope.dimension_count_swa", u32(int(swa_dim * h.get("partial_rotary_factor", 1.0))))
+    return out
+
+
+def gguf_rope_freqs(h: dict) -> list:
+    """The global layers' partial rotation as ggml runs it: factor 1 on the rotated pairs, 1e30 (no
+    rotation) on the rest."""
+    import numpy as np
+
+    full = h["rope_parameters"]["full_attention"]
+    pairs = h["global_head_dim"] // 2
+    rotated = int(h["global_head_dim"] * full.get("partial_rotary_factor", 1.0) / 2)
+    return [("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32))]
+
+
+GGUF = ggml.GGUFSpec(
+    arch="gemma4", metadata=gguf_metadata, extra=gguf_rope_freqs, tokenizer="gemma4",
+    visible_tokens=frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                              "<tool_response|>", '<|"|>'}),
+    names={**ggml.COMMON_NAMES, **ggml.SANDWICH_NAMES,
+           "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+           "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+           "per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+           "layer_scalar": "layer_output_scale.weight",
+           "per_layer_input_gate.weight": "inp_gate.weight",
+           "per_layer_projection.weight": "proj.weight",
+           "post_per_layer_input_norm.weight": "post_norm.weight",
+           "router.proj.weight": "ffn_gate_inp.weight",
+           "router.scale": "ffn_gate_inp.scale",
+           "router.per_expert_scale": "ffn_down_exps.scale",
+           "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+           "experts.down_proj": "ffn_down_exps.weight",
+           "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+           "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+           "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight"})
+
 DEFAULT_PREFIXES = {"gemma4": "model.language_model.", "gemma4_text": "model."}
 
 GEMMA4 = FamilySpec(
@@ -468,4 +534,5 @@ GEMMA4 = FamilySpec(
     experts=lambda cfg: cfg.extras.experts,
     vocab_axes=("v", "u"),  # u: the per-layer embeddings' own vocabulary
     vllm_tiny=VLLM_DIMS,
+    gguf={"gemma4": GGUF, "gemma4_text": GGUF},
 )

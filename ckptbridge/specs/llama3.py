@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptbridge.specs import dfirst
+from ckptbridge.specs import dfirst, ggml
 from ckptbridge.specs.base import FamilySpec, ModelType
 
 DENSE = dfirst.Dense("llama3", "llama", {
@@ -33,10 +33,23 @@ VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_s
 tiny_config = dfirst.tiny_config("llama", "LlamaForCausalLM", TINY_DIMS, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
 
 
+def gguf_metadata(h: dict, block_count: int) -> list:
+    """The common keys, the vocabulary size and the rotary width."""
+    from ckptbridge.io.gguf import u32
+
+    return ggml.base_metadata(h, block_count) + [
+        ("{arch}.vocab_size", u32(h["vocab_size"])),
+        ("{arch}.rope.dimension_count", u32(h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]))]
+
+
+GGUF = ggml.GGUFSpec(arch="llama", names=ggml.COMMON_NAMES, metadata=gguf_metadata, extra=ggml.llama3_rope_freqs,
+                     rope_rows={"self_attn.q_proj.weight": "num_attention_heads",
+                                "self_attn.k_proj.weight": "num_key_value_heads"})
+
 LLAMA3 = FamilySpec(
     name="llama3", types=(ModelType("llama", "LlamaForCausalLM", "model.", tiny_config),),
     rules=dfirst.rules(), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
     tunix=TUNIX, experts=dfirst.experts,
-    vllm_tiny=VLLM_DIMS,
+    vllm_tiny=VLLM_DIMS, gguf={"llama": GGUF},
 )

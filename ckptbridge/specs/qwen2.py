@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptbridge.specs import dfirst
+from ckptbridge.specs import dfirst, ggml
 from ckptbridge.specs.base import FamilySpec, ModelType
 
 DENSE = dfirst.Dense("qwen2", "qwen2", {
@@ -37,4 +37,5 @@ QWEN2 = FamilySpec(
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
     tunix=TUNIX, experts=dfirst.experts,
     vllm_tiny=VLLM_DIMS,
+    gguf={"qwen2": ggml.GGUFSpec(arch="qwen2", names=ggml.COMMON_NAMES, metadata=ggml.base_metadata)},
 )

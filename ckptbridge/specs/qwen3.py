@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.config import ModelConfig
-from ckptbridge.specs import dfirst
+from ckptbridge.specs import dfirst, ggml
 from ckptbridge.specs.base import FamilySpec, ModelType
 
 RULES = dfirst.rules(qk_norm=True, moe=True)
@@ -68,6 +68,25 @@ TINY = {"qwen3": dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope
                                         rope_theta=TUNIX_ROPE_THETA)}
 
 
+def gguf_moe_metadata(h: dict, block_count: int) -> list:
+    """The common keys (expert counts among them) and the experts' MLP widths."""
+    from ckptbridge.io.gguf import u32
+
+    out = ggml.base_metadata(h, block_count)
+    for key, field in (("{arch}.expert_feed_forward_length", "moe_intermediate_size"),
+                       ("{arch}.expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if h.get(field) is not None:
+            out.append((key, u32(h[field])))
+    return out
+
+
+GGUF = {"qwen3": ggml.GGUFSpec(arch="qwen3", names=ggml.COMMON_NAMES, metadata=ggml.base_metadata),
+        "qwen3_moe": ggml.GGUFSpec(arch="qwen3moe", metadata=gguf_moe_metadata, names={
+            **ggml.COMMON_NAMES, "mlp.gate.weight": "ffn_gate_inp.weight",
+            "mlp.experts.{e}.gate_proj.weight": "ffn_gate_exps.weight",
+            "mlp.experts.{e}.up_proj.weight": "ffn_up_exps.weight",
+            "mlp.experts.{e}.down_proj.weight": "ffn_down_exps.weight"})}
+
 QWEN3 = FamilySpec(
     name="qwen3",
     types=(ModelType("qwen3", "Qwen3ForCausalLM", "model.", TINY["qwen3"]),
@@ -83,4 +102,5 @@ QWEN3 = FamilySpec(
     experts=dfirst.experts,
     vllm_tiny=VLLM_DIMS,
     peft_params=dfirst.EXPERT_PARAMS,
+    gguf=GGUF,
 )

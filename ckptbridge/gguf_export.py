@@ -1,0 +1,379 @@
+"""``convert_to_gguf``: a model (HF directory, Tunix Orbax checkpoint, or an HF base with a PEFT or
+Tunix LoRA adapter merged on the way) -> one GGUF file for ggml's runtimes (its reference CLI and
+server, Ollama, LM Studio), streaming.
+
+What is written follows ggml's own converter (``convert_hf_to_gguf.py``) for the same model: the
+family's GGUF names, value changes and metadata (:class:`ckptbridge.specs.ggml.GGUFSpec`), the
+tokenizer and chat template (:mod:`ckptbridge.io.gguf_tokenizer`), and its choice of stored
+type per tensor: 1-D tensors, norms and routers in float32 whatever the output type; Q8_0 where
+rows are whole blocks of 32, else float16. Values are read, changed and quantized a block of
+rows at a time on the workers of a :class:`~ckptbridge.stream.Engine`, within its memory
+budget, ahead of the writer; the file is written under a temporary name and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ckptbridge import hub, lora, mapping, specs
+from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
+from ckptbridge.io import gguf, storage
+from ckptbridge.io.atomic import check_destination
+from ckptbridge.io.gguf_tokenizer import tokenizer_metadata
+from ckptbridge.io.hf import HFModelDir
+from ckptbridge.progress import Progress
+from ckptbridge.report import Report, human_bytes
+from ckptbridge.sources import ASSETS_DIR, is_hf_directory, open_hf_source, open_orbax_source
+from ckptbridge.specs.ggml import FILE_TYPE, PRE_TOKENIZERS, SPM_MODEL, GGUFSpec, interleaved_rope_rows, text_config
+from ckptbridge.stream import Parallelism, Parts
+
+OUTTYPES = {  # --outtype -> (stored type of the weights, general.file_type as ggml's converter writes it)
+    "f32": (gguf.TensorType.F32, 0), "f16": (gguf.TensorType.F16, 1),
+    "bf16": (gguf.TensorType.BF16, 32), "q8_0": (gguf.TensorType.Q8_0, 7),
+}
+BLOCK_BYTES = 32 << 20  # float32 bytes of one block of rows (at most half the memory budget)
+GGML_QUANT_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFReport(Report):
+    direction: str
+    source: str
+    adapter: str | None
+    destination: str
+    family: str
+    architecture: str
+    outtype: str
+    tensors: int
+    tensor_types: dict[str, int]
+    bytes: int
+    tokenizer: str | None
+    seconds: float
+
+    def summary(self) -> str:
+        merged = f" with {self.adapter} merged" if self.adapter else ""
+        types = ", ".join(f"{n} {k}" for k, n in self.tensor_types.items())
+        tok = f"tokenizer {self.tokenizer}" if self.tokenizer else "no tokenizer"
+        return (f"to-gguf: {self.source}{merged} -> {self.destination}\n"
+                f"  {self.family} as GGUF {self.architecture}, {self.outtype}: {self.tensors} tensors ({types}), "
+                f"{human_bytes(self.bytes)} in {self.seconds:.2f} s; {tok}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One GGUF tensor: its name, shape and stored type, and the HF keys it is made of (several:
+    experts stacked), with what is done to the values on the way."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: gguf.TensorType
+    keys: tuple[str, ...]
+    hf_shape: tuple[int, ...]
+    shift: float = 0.0  # added to the values (norms stored as 1 + w)
+    rope_heads: int | None = None  # rows reordered to ggml's interleaved rotation, in this many heads
+
+    @property
+    def whole(self) -> bool:
+        """Made in one piece (reordered rows, or shifted values) rather than in row blocks."""
+        return self.rope_heads is not None or bool(self.shift) or len(self.hf_shape) < 2
+
+
+def stored_type(name: str, shape: tuple[int, ...], wanted: gguf.TensorType) -> gguf.TensorType:
+    """The type ggml's converter stores a tensor as: float32 for 1-D tensors, norms, routers and
+    anything not named ``*.weight``; float16 where Q8_0 is asked for and rows are not whole blocks."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in f".{name}" \
+            or not name.endswith((".weight", ".lora_a", ".lora_b")):
+        return gguf.TensorType.F32
+    if wanted is gguf.TensorType.Q8_0 and shape[-1] % gguf.QK8_0:
+        return gguf.TensorType.F16
+    return wanted
+
+
+def store(values: np.ndarray, t: gguf.TensorType) -> np.ndarray:
+    """``values`` in the stored form of ``t`` (float16 and bfloat16 rounded to nearest even from
+    float32, as gguf-py's quantizer does; Q8_0 as ggml's reference)."""
+    if t is gguf.TensorType.Q8_0:
+        return gguf.quantize_q8_0(values)
+    want = t.storage(values.shape)[0]
+    if values.dtype == want:
+        return values
+    return values.astype(np.float32).astype(want)
+
+
+def _plan(cfg, spec_gguf: GGUFSpec, ents: list[mapping.Entry], wanted: gguf.TensorType, h: dict) -> list[_Tensor]:
+    out: list[_Tensor] = []
+    for e in ents:
+        if not e.hf_keys:
+            continue  # a parameter HF does not have here (kv-shared layers): ggml's converter writes none
+        prefix = f"blk.{e.layer.index}." if e.rule.scope == "layer" and e.layer is not None else ""
+        groups = ([(e.rule.hf[0], e.hf_keys)] if e.rule.stack is not None
+                  else list(zip(e.rule.hf, ((k,) for k in e.hf_keys))))
+        for suffix, keys in groups:
+            try:
+                name = prefix + spec_gguf.names[suffix]
+            except KeyError:
+                raise UnsupportedError(f"{keys[0]}: no GGUF name for this tensor of {cfg.family} "
+                                       f"({spec_gguf.arch}); ggml's converter does not write it") from None
+            shape = (len(keys), *e.hf_shape) if e.rule.stack is not None else tuple(e.hf_shape)
+            heads = spec_gguf.rope_rows.get(suffix)
+            out.append(_Tensor(name, shape, stored_type(name, shape, wanted), tuple(keys), tuple(e.hf_shape),
+                               shift=spec_gguf.norm_shift if suffix.endswith("norm.weight") else 0.0,
+                               rope_heads=int(h[heads]) if heads else None))
+    return out
+
+
+def converter_order(tensors: list[_Tensor], position: Callable[[str], tuple]) -> list[_Tensor]:
+    """``tensors`` in the order ggml's converter writes them: by the place of their HF tensor in
+    the files (``position``: file, then name), experts stored one tensor each being stacked when the
+    last of their layer's arrives (the stacks in the order of their names)."""
+    last: dict[str, tuple] = {}
+    for t in tensors:
+        if len(t.keys) > 1:
+            layer = t.name.split(".", 2)[1] if t.name.startswith("blk.") else ""
+            last[layer] = max([last.get(layer, ()), *map(position, t.keys)])
+
+    def key(t: _Tensor) -> tuple:
+        if len(t.keys) > 1:
+            return (last[t.name.split(".", 2)[1] if t.name.startswith("blk.") else ""], 1, t.keys[0])
+        return (position(t.keys[0]), 0, "")
+
+    return sorted(tensors, key=key)
+
+
+def title(directory_name: str) -> str:
+    """``general.name`` as ggml's converter makes it from a directory's name (words capitalized
+    unless acronyms or versions)."""
+    words = directory_name.strip().replace("-", " ").split()
+    return " ".join(w.title() if w.islower() and not re.match(r"^(v\d+(?:\.\d+)*|\d.*)$", w) else w for w in words)
+
+
+def size_label(planned: list[gguf.PlannedTensor]) -> str:
+    """``general.size_label`` as gguf-py counts it: parameters rounded to 2 digits (``8.0B``), or
+    ``{experts}x{per expert and shared}`` for mixtures of experts."""
+    total = shared = expert = expert_sum = n_expert = 0
+    for t in planned:
+        size = math.prod(t.shape)
+        if "_exps." in t.name and len(t.shape) >= 3:
+            count = t.shape[-2 if ".bias" in t.name else -3]
+            expert += size // count
+            expert_sum += count
+            n_expert += 1
+        else:
+            shared += size
+        total += size
+    n = shared + expert if n_expert else total
+    scale, suffix = next((s, x) for limit, s, x in ((1e12, 1e-12, "T"), (1e9, 1e-9, "B"), (1e6, 1e-6, "M"),
+                                                    (-1, 1e-3, "K")) if n > limit)
+    scaled = n * scale
+    fix = max(2 - len(str(round(scaled)).lstrip("0")), 0)
+    label = f"{scaled:.{fix}f}{suffix}"
+    return f"{expert_sum // n_expert}x{label}" if n_expert else label
+
+
+def _finish(t: _Tensor, values: np.ndarray, src_dtype: np.dtype) -> np.ndarray:
+    """Values of ``t`` (whole, or rows) changed as ggml's converter changes them, in its stored form."""
+    if t.shift:  # in float32 (in float16 for float16 sources, as the converter computes)
+        work = np.dtype(np.float16 if src_dtype == np.float16 else np.float32)
+        values = values.astype(work) + np.asarray(t.shift, work)
+    if t.rope_heads is not None:
+        values = interleaved_rope_rows(values.reshape(t.hf_shape), t.rope_heads)
+    return store(values, t.type)
+
+
+class _HFRows:
+    """Rows of an HF directory's tensors as the export reads them, with LoRA deltas added where an
+    adapter has them (the merge's own block arithmetic)."""
+
+    def __init__(self, model: HFModelDir, deltas: dict):
+        self.model, self.deltas = model, deltas
+
+    def rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        from ckptbridge.merge import merged_rows
+
+        return merged_rows(self.model, key, self.deltas.get(key, ()), start, stop)
+
+    def jobs(self, t: _Tensor, block_bytes: int) -> Iterator[tuple[int, Callable]]:
+        cols = t.hf_shape[-1] if t.hf_shape else 1
+        n_rows = math.prod(t.hf_shape[:-1]) if len(t.hf_shape) > 1 else 1
+        if t.whole:
+            yield 4 * math.prod(t.shape), functools.partial(self._whole, t)
+            return
+        per = max(1, block_bytes // (4 * cols))
+        for key in t.keys:
+            for start in range(0, n_rows, per):
+                stop = min(start + per, n_rows)
+                yield 4 * (stop - start) * cols, functools.partial(self._block, t, key, start, stop)
+
+    def _whole(self, t: _Tensor) -> list:
+        key = t.keys[0]
+        values = self.model.array(key) if key not in self.deltas else self.rows(key, 0, math.prod(t.hf_shape[:-1]))
+        return [(t.name, _finish(t, values.reshape(t.hf_shape), values.dtype))]
+
+    def _block(self, t: _Tensor, key: str, start: int, stop: int) -> list:
+        rows = self.rows(key, start, stop)
+        return [(t.name, _finish(t, rows, rows.dtype))]
+
+
+def _orbax_jobs(source, tensors: dict[str, _Tensor]) -> Iterator[tuple[int, Callable]]:
+    """One job per Orbax leaf: its HF tensors, each as its GGUF tensor stores it."""
+    by_key = {k: t for t in tensors.values() for k in t.keys}
+
+    def make(e: mapping.Entry) -> list:
+        values = list(mapping.tunix_to_hf(e, source.tunix_value(e)))
+        out = []
+        for key, v in zip(e.hf_keys, values):
+            t = by_key[key]
+            out.append((t.name, _finish(t, v, v.dtype)))
+        return out
+
+    for e in source.entries:
+        if e.hf_keys:
+            yield source.nbytes(e) * 2, functools.partial(make, e)
+
+
+def _metadata(spec_gguf: GGUFSpec, h: dict, block_count: int, name: str, size: str, file_type: int,
+              tokenizer: list[tuple[str, gguf.Value]]) -> dict[str, gguf.Value]:
+    arch = spec_gguf.arch
+    out: dict[str, gguf.Value] = {"general.architecture": gguf.string(arch), "general.type": gguf.string("model"),
+                                  "general.name": gguf.string(name), "general.size_label": gguf.string(size)}
+    for key, value in spec_gguf.metadata(h, block_count):
+        out[key.replace("{arch}", arch)] = gguf.u32(file_type) if key == FILE_TYPE else value
+    out["general.quantization_version"] = gguf.u32(GGML_QUANT_VERSION)
+    for key, value in tokenizer:
+        out[key] = value
+    return out
+
+
+def convert_to_gguf(src: str, dst: str, *, adapter: str | None = None, outtype: str = "bf16",
+                    step: int | None = None, alpha: float | None = None, tokenizer: bool = True,
+                    name: str | None = None, overwrite: bool = False, workers: int | None = None,
+                    memory_budget: str | int | None = None, progress: bool | None = None,
+                    revision: str | None = None) -> GGUFReport:
+    """Write the model ``src`` (an HF model directory or Hub id, or a Tunix Orbax weights
+    checkpoint) as the GGUF file ``dst``, with ``adapter`` (PEFT directory or Tunix/qwix Orbax
+    LoRA checkpoint; ``src`` then an HF directory) merged into it on the way. ``outtype``: the
+    stored type of the weights (``f32``, ``f16``, ``bf16``, ``q8_0``). ``tokenizer``: include the
+    tokenizer and chat template found beside the weights (in the checkpoint's stored files for
+    Orbax). ``name``: ``general.name`` (default: the source directory's name). Row blocks are made
+    on ``workers`` threads (default: every usable core) within ``memory_budget`` bytes (default
+    256 MiB); the file does not depend on either."""
+    t0 = time.perf_counter()
+    if outtype not in OUTTYPES:
+        raise ConfigError(f"outtype (--outtype) {outtype!r}: one of {', '.join(OUTTYPES)}")
+    wanted, file_type = OUTTYPES[outtype]
+    parallel = Parallelism.of(workers, memory_budget)
+    src = hub.local(src, hub.MODEL, revision=revision)
+    if adapter is not None:
+        adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
+        if not is_hf_directory(src):
+            raise ConfigError(f"{src}: --adapter needs the HF base model directory as the source (the model the "
+                              "adapter was trained on)")
+    sources = [src] + ([adapter] if adapter else [])
+    check_destination(dst, sources, overwrite)
+    if is_hf_directory(src):
+        return _from_hf(src, dst, adapter=adapter, wanted=wanted, outtype=outtype, file_type=file_type, step=step,
+                        alpha=alpha, tokenizer=tokenizer, name=name, overwrite=overwrite, parallel=parallel,
+                        progress=progress, t0=t0)
+    if alpha is not None:
+        raise ConfigError("alpha (--alpha) applies with --adapter")
+    with open_orbax_source(src, step=step) as source:
+        spec_gguf, h = _family(source.cfg, src)
+        tensors = _plan(source.cfg, spec_gguf, source.entries, wanted, h)
+        assets = storage.join(source.ckpt.path, ASSETS_DIR)
+        assets_dir = assets if storage.isdir(assets) else source.config_dir
+        with parallel.engine("to-gguf") as engine:
+            parts = Parts(engine.stream(_orbax_jobs(source, {t.name: t for t in tensors})))
+            return _write(source.cfg, spec_gguf, h, tensors, parts, dst, src=src, adapter=None, assets_dir=assets_dir,
+                          outtype=outtype, file_type=file_type, tokenizer=tokenizer, name=name, overwrite=overwrite,
+                          sources=sources, progress=progress, t0=t0, counts=None)
+
+
+def _family(cfg, where: str) -> tuple[GGUFSpec, dict]:
+    spec = specs.get_family(cfg.family)
+    spec_gguf = spec.gguf.get(cfg.model_type)
+    if spec_gguf is None:
+        raise UnsupportedError(f"{where}: {cfg.family} ({cfg.model_type}) has no GGUF form: ggml's runtimes do not run "
+                               "it; GGUF export covers " + ", ".join(sorted(
+                                   t for f in specs.FAMILIES.values() for t in f.gguf)))
+    h = text_config(cfg.hf_config)
+    if spec_gguf.unsupported is not None and (why := spec_gguf.unsupported(h)):
+        raise UnsupportedError(f"{where}: {why}")
+    return spec_gguf, h
+
+
+def _from_hf(src: str, dst: str, *, adapter: str | None, wanted, outtype: str, file_type: int, step, alpha,
+             tokenizer: bool, name, overwrite: bool, parallel: Parallelism, progress, t0: float) -> GGUFReport:
+    with open_hf_source(src, skip_multimodal=True) as source:
+        spec_gguf, h = _family(source.cfg, src)
+        tensors = _plan(source.cfg, spec_gguf, source.entries, wanted, h)
+        files = sorted({source.model.file_of(k).path for t in tensors for k in t.keys})
+        tensors = converter_order(tensors, lambda k: (files.index(source.model.file_of(k).path), k))
+    if adapter is None and (step is not None or alpha is not None):
+        raise ConfigError("step/alpha (--step, --alpha) apply with --adapter")
+    with contextlib.ExitStack() as stack:
+        model = stack.enter_context(HFModelDir(src))
+        engine = stack.enter_context(parallel.engine("to-gguf"))
+        deltas: dict = {}
+        if adapter is not None:
+            ad = stack.enter_context(lora.open_adapter(adapter, lora.open_base(src), step=step, alpha=alpha,
+                                                       engine=engine))
+            for key, row, scale, (a, b) in lora.hf_deltas(ad):
+                if key not in model:
+                    raise MismatchError(f"{adapter}: LoRA for {key}, which the base {src} does not have")
+                deltas.setdefault(key, []).append((row, np.asarray(a, np.float32),
+                                                   np.asarray(b, np.float32) * np.float32(scale)))
+        reader = _HFRows(model, deltas)
+        block_bytes = min(BLOCK_BYTES, engine.budget.limit // 2)
+        counts: dict[str, int] = {}
+        jobs: list = []
+        for t in tensors:
+            tensor_jobs = list(reader.jobs(t, block_bytes))
+            counts[t.name] = len(tensor_jobs)
+            jobs += tensor_jobs
+        parts = Parts(engine.stream(jobs))
+        return _write(source.cfg, spec_gguf, h, tensors, parts, dst, src=src, adapter=adapter, assets_dir=src,
+                      outtype=outtype, file_type=file_type, tokenizer=tokenizer, name=name, overwrite=overwrite,
+                      sources=[src] + ([adapter] if adapter else []), progress=progress, t0=t0, counts=counts)
+
+
+def _write(cfg, spec_gguf: GGUFSpec, h: dict, tensors: list[_Tensor], parts: Parts, dst: str, *, src: str,
+           adapter: str | None, assets_dir: str | None, outtype: str, file_type: int, tokenizer: bool, name,
+           overwrite: bool, sources: list[str], progress, t0: float, counts: dict[str, int] | None) -> GGUFReport:
+    tok: list = []
+    if tokenizer:
+        if assets_dir is None or storage.is_remote(assets_dir):
+            raise UnsupportedError(f"{src}: its tokenizer files are not on this machine; export with --no-tokenizer "
+                                   "or from a local copy")
+        tok = tokenizer_metadata(assets_dir, cfg.hf_config, cfg.vocab_size, src, pre_tokenizers=PRE_TOKENIZERS,
+                                 spm_model=SPM_MODEL, family_model=spec_gguf.tokenizer,
+                                 visible=spec_gguf.visible_tokens, spm_ids=spec_gguf.spm_ids)
+    planned = [gguf.PlannedTensor(n, v.shape, gguf.TensorType.F32, functools.partial(lambda v: v, v))
+               for n, v in (spec_gguf.extra(h) if spec_gguf.extra else [])]
+    for t in tensors:
+        n = counts[t.name] if counts is not None else len(t.keys)
+        planned.append(gguf.PlannedTensor(t.name, t.shape, t.type, functools.partial(parts.take_many, t.name, n)))
+    model_name = name or title(os.path.basename(os.path.normpath(src)))
+    metadata = _metadata(spec_gguf, h, cfg.num_layers, model_name, size_label(planned), file_type, tok)
+    total = sum(t.nbytes for t in planned)
+    bar = Progress(total, "to gguf", enabled=progress)
+    size = gguf.write_gguf(dst, metadata, planned, overwrite=overwrite, sources=sources, on_written=bar.update)
+    bar.close()
+    types: dict[str, int] = {}
+    for p in planned:
+        types[p.type.name] = types.get(p.type.name, 0) + 1
+    tok_model = next((v.value for k, v in tok if k == "tokenizer.ggml.model"), None)
+    return GGUFReport(direction="to-gguf", source=src, adapter=adapter, destination=dst, family=cfg.family,
+                      architecture=spec_gguf.arch, outtype=outtype, tensors=len(planned), tensor_types=types,
+                      bytes=size, tokenizer=tok_model, seconds=round(time.perf_counter() - t0, 3))
+
+
+__all__ = ["GGUFReport", "OUTTYPES", "convert_to_gguf", "stored_type", "store"]

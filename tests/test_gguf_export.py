@@ -1,0 +1,193 @@
+"""GGUF export (``ckptbridge.gguf_export``, ``ckptbridge convert to-gguf``).
+
+The reference is ggml's own converter: ``convert_hf_to_gguf.py`` of llama.cpp, with its
+``conversion/`` package and gguf-py, as vendored in the llama-cpp-python 0.3.36 sdist (which
+scripts/setup.sh unpacks into build/ggml; tests/ggml_converter.py runs it). For every family row of
+the contract table our file is the same bytes as the converter's for the same model and output
+type: metadata (architecture keys, tokenizer, chat template), tensor names, order, shapes, stored
+types and values (Gemma 1-3 norms + 1, Llama's q/k rows reordered, Qwen 3 MoE experts stacked,
+Gemma 4's rope_freqs and per-layer arrays). Then: values against the source without the
+converter, an adapter merged on the way, an Orbax source, and bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from families import CASES, seed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONVERTER = os.path.join(ROOT, "build", "ggml")
+# Widths whose rows are whole Q8_0 blocks (the tiny rows' 40 and 56 are not: ggml's converter then
+# stores F16, which the main rows check)
+WIDE = dict(hidden_size=64, intermediate_size=96)
+MAIN_ROWS = [n for n in CASES if not n.endswith("_bf16_sharded")] + ["kv_lm_bf16_sharded", "qwen3_moe_bf16_sharded"]
+WIDE_ROWS = ["keqv_lm_f32_sharded", "gemma4_e2b", "gemma3_text", "gemma2", "qwen3_moe", "qwen2_untied", "llama3_tied"]
+
+
+def _export(src: str, dst: str, outtype: str, **kw) -> str:
+    from ckptbridge.gguf_export import convert_to_gguf
+
+    convert_to_gguf(src, dst, outtype=outtype, progress=False, **kw)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """row name -> its model at Q8_0-friendly widths (built once)."""
+    from conftest import _Lazy
+
+    from ckptbridge.testing import build_checkpoint
+
+    root = tmp_path_factory.mktemp("wide")
+    return _Lazy(lambda name: build_checkpoint(str(root / name), seed=seed(name), **{**CASES[name].build, **WIDE}))
+
+
+def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
+    """Every family row (f32 and bf16; f16 and q8_0 at Q8_0-friendly widths), ours against the
+    converter's, file for file."""
+    assert os.path.isfile(os.path.join(CONVERTER, "convert_hf_to_gguf.py")), \
+        "build/ggml has no converter: scripts/setup.sh unpacks it"
+    jobs, pairs = [], []
+    for name in MAIN_ROWS:
+        for outtype in ("f32", "bf16"):
+            pairs.append((name, outtype, checkpoints[name]))
+    for name in WIDE_ROWS:
+        for outtype in ("f16", "q8_0"):
+            pairs.append((name + "_wide", outtype, wide[name]))
+    for name, outtype, src in pairs:
+        ours, theirs = tmp_path / f"{name}.{outtype}.gguf", tmp_path / f"{name}.{outtype}.ref.gguf"
+        _export(src, str(ours), outtype)
+        jobs.append([src, str(theirs), outtype])
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ggml_converter.py"), CONVERTER,
+                           str(tmp_path / "jobs.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    differ = []
+    for name, outtype, _ in pairs:
+        ours = (tmp_path / f"{name}.{outtype}.gguf").read_bytes()
+        theirs = (tmp_path / f"{name}.{outtype}.ref.gguf").read_bytes()
+        if ours != theirs:
+            why = _difference(tmp_path / f"{name}.{outtype}.gguf", tmp_path / f"{name}.{outtype}.ref.gguf")
+            differ.append(f"{name} {outtype}: {why}")
+    assert not differ, "\n".join(differ)
+    assert len(pairs) == 2 * len(MAIN_ROWS) + 2 * len(WIDE_ROWS)
+
+
+def _difference(a, b) -> str:
+    """What differs between two GGUF files, read with gguf-py's reader (for the failure message)."""
+    from gguf import GGUFReader
+
+    def load(p):
+        r = GGUFReader(p)
+        kv = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.")}
+        return kv, {t.name: (tuple(t.shape), t.tensor_type.name, t.data.tobytes()) for t in r.tensors}
+
+    (ka, ta), (kb, tb) = load(a), load(b)
+    out = [f"{k}: {str(ka.get(k))[:80]} vs {str(kb.get(k))[:80]}" for k in sorted(set(ka) | set(kb))
+           if ka.get(k) != kb.get(k)]
+    out += [f"{n}: {ta.get(n, ('-',))[:2]} vs {tb.get(n, ('-',))[:2]}" for n in sorted(set(ta) | set(tb))
+            if ta.get(n) != tb.get(n)]
+    return "; ".join(out[:8]) or f"tensor order: {list(ta)[:5]} vs {list(tb)[:5]}"
+
+
+def test_values_follow_the_source(wide, tmp_path):
+    """Without the converter: bf16 from a bf16 source is the same bits, q8_0 is gguf-py's quantizer
+    of the source, norms stay float32, and the tokenizer is the HF one's."""
+    import gguf as ggufpy
+
+    from ckptbridge.io.gguf import read_gguf
+    from ckptbridge.io.hf import HFModelDir
+
+    name = "keqv_text_bf16_single"
+    src = wide[name]
+    bf16 = read_gguf(_export(src, str(tmp_path / "bf16.gguf"), "bf16"))
+    q8 = read_gguf(_export(src, str(tmp_path / "q8.gguf"), "q8_0"))
+    with HFModelDir(src) as model:
+        w = model.array("model.layers.0.self_attn.q_proj.weight")
+        assert w.dtype.name == "bfloat16"
+        assert np.array_equal(bf16.array("blk.0.attn_q.weight").view(np.uint16), w.view(np.uint16))
+        expect = ggufpy.quants.quantize(w.astype(np.float32), ggufpy.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(q8.array("blk.0.attn_q.weight"), expect)
+        norm = model.array("model.layers.0.input_layernorm.weight")
+        assert q8.tensors["blk.0.attn_norm.weight"].type.name == "F32"
+        assert np.array_equal(q8.array("blk.0.attn_norm.weight"), norm.astype(np.float32))  # Gemma 4: no + 1
+    tok = json.load(open(os.path.join(src, "tokenizer.json")))
+    tokens = bf16.metadata["tokenizer.ggml.tokens"]
+    assert [tokens[i] for i in sorted(tok["model"]["vocab"].values())[:300]] == \
+        [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    assert bf16.metadata["tokenizer.chat_template"] == open(os.path.join(src, "chat_template.jinja")).read()
+
+
+def test_an_adapter_merged_on_the_way_is_the_merged_models_export(checkpoints, adapters, tmp_path):
+    """``--adapter``: a PEFT adapter and a Tunix LoRA checkpoint, each merged while exporting, give
+    the file the export of the merged model gives (same bytes)."""
+    from ckptbridge.merge import merge_lora
+
+    name = "qwen3_untied"
+    base = checkpoints[name]
+    for kind, adapter in (("peft", adapters[name].peft), ("tunix", adapters[name].tunix)):
+        merged = str(tmp_path / f"merged-{kind}")
+        merge_lora(base, adapter, merged, progress=False)
+        a = _export(base, str(tmp_path / f"{kind}-on-the-way.gguf"), "f32", adapter=adapter, name="m")
+        b = _export(merged, str(tmp_path / f"{kind}-merged.gguf"), "f32", name="m")
+        assert open(a, "rb").read() == open(b, "rb").read(), kind
+        plain = _export(base, str(tmp_path / f"{kind}-base.gguf"), "f32", name="m")
+        assert open(a, "rb").read() != open(plain, "rb").read()
+
+
+def test_an_orbax_checkpoint_exports_as_its_hf_model(checkpoints, converted, tmp_path):
+    """From the Tunix Orbax checkpoint of a row: the same metadata and tensors as from its HF
+    directory (written in the checkpoint's own order)."""
+    from ckptbridge.io.gguf import read_gguf
+
+    for name in ("keqv_lm_f32_sharded", "qwen3_moe"):
+        hf = read_gguf(_export(checkpoints[name], str(tmp_path / f"{name}-hf.gguf"), "bf16", name="m"))
+        orbax = read_gguf(_export(converted[name][0], str(tmp_path / f"{name}-orbax.gguf"), "bf16", name="m"))
+        assert orbax.metadata == hf.metadata
+        assert sorted(orbax.tensors) == sorted(hf.tensors)
+        for t in hf.tensors:
+            assert np.array_equal(orbax.array(t), hf.array(t)), (name, t)
+
+
+def test_bad_input_ends_in_one_line_and_writes_nothing(checkpoints, converted, tmp_path):
+    src = checkpoints["llama3_tied"]
+    dst = tmp_path / "out.gguf"
+    dst.write_bytes(b"keep")
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, "-m", "ckptbridge", "convert", "to-gguf", *args],
+                              capture_output=True, text=True, cwd=ROOT)
+        return proc.returncode, proc.stderr.strip()
+
+    code, err = run(src, str(dst))
+    assert code == 7 and "already exists" in err and dst.read_bytes() == b"keep"
+    from ckptbridge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="outtype"):
+        _export(src, str(tmp_path / "x.gguf"), "q4")
+    assert not (tmp_path / "x.gguf").exists()
+    code, err = run(converted["llama3_tied"][0], str(tmp_path / "y.gguf"), "--adapter", src)
+    assert code == 8 and "--adapter needs the HF base model directory" in err and not (tmp_path / "y.gguf").exists()
+    # a tokenizer GGUF cannot express: a WordPiece one
+    import shutil
+
+    odd = tmp_path / "wordpiece"
+    shutil.copytree(src, odd)
+    tok = json.loads((odd / "tokenizer.json").read_text())
+    tok["model"] = {"type": "WordPiece", "vocab": tok["model"]["vocab"], "unk_token": "<unk>"}
+    (odd / "tokenizer.json").write_text(json.dumps(tok))
+    code, err = run(str(odd), str(tmp_path / "z.gguf"))
+    assert code != 0 and len(err.splitlines()) == 1 and "WordPiece" in err and "--no-tokenizer" in err
+    assert not (tmp_path / "z.gguf").exists()
+    code, err = run(str(odd), str(tmp_path / "z.gguf"), "--no-tokenizer", "--quiet")
+    assert code == 0, err
+    from ckptbridge.io.gguf import read_gguf
+
+    assert not any(k.startswith("tokenizer.") for k in read_gguf(str(tmp_path / "z.gguf")).metadata)
