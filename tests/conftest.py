@@ -50,6 +50,19 @@ def checkpoints(tmp_path_factory):
     return lazy
 
 
+# Widths whose rows are whole Q8_0 blocks of 32 (the tiny rows' 40 and 56 are not; GGUF stores those F16)
+WIDE = dict(hidden_size=64, intermediate_size=96)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """row name -> its model at widths of whole Q8_0 blocks (``WIDE``), built once."""
+    from ckptbridge.testing import build_checkpoint
+
+    root = tmp_path_factory.mktemp("wide")
+    return _Lazy(lambda name: build_checkpoint(str(root / name), seed=seed(name), **{**CASES[name].build, **WIDE}))
+
+
 @pytest.fixture(scope="session")
 def converted(checkpoints, tmp_path_factory):
     """row name -> (Orbax checkpoint, report) of its safetensors-to-orbax conversion (towers

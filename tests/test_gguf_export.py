@@ -20,14 +20,13 @@ import sys
 import numpy as np
 import pytest
 
-from families import CASES, seed
+from families import CASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONVERTER = os.path.join(ROOT, "build", "ggml")
-# Widths whose rows are whole Q8_0 blocks (the tiny rows' 40 and 56 are not: ggml's converter then
-# stores F16, which the main rows check)
-WIDE = dict(hidden_size=64, intermediate_size=96)
 MAIN_ROWS = [n for n in CASES if not n.endswith("_bf16_sharded")] + ["kv_lm_bf16_sharded", "qwen3_moe_bf16_sharded"]
+# not a row of the table (Tunix routes Gemma 4's experts differently: tests/test_gemma4_extras.py)
+GEMMA4_MOE = dict(family="gemma4", enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=32)
 WIDE_ROWS = ["keqv_lm_f32_sharded", "gemma4_e2b", "gemma3_text", "gemma2", "qwen3_moe", "qwen2_untied", "llama3_tied"]
 
 
@@ -38,20 +37,13 @@ def _export(src: str, dst: str, outtype: str, **kw) -> str:
     return dst
 
 
-@pytest.fixture(scope="session")
-def wide(tmp_path_factory):
-    """row name -> its model at Q8_0-friendly widths (built once)."""
-    from conftest import _Lazy
+def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
+    """Every family row (f32 and bf16; f16 and q8_0 at widths of whole Q8_0 blocks) and a Gemma 4
+    MoE model, ours against the converter's, file for file."""
+    from conftest import WIDE
 
     from ckptbridge.testing import build_checkpoint
 
-    root = tmp_path_factory.mktemp("wide")
-    return _Lazy(lambda name: build_checkpoint(str(root / name), seed=seed(name), **{**CASES[name].build, **WIDE}))
-
-
-def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
-    """Every family row (f32 and bf16; f16 and q8_0 at Q8_0-friendly widths), ours against the
-    converter's, file for file."""
     assert os.path.isfile(os.path.join(CONVERTER, "convert_hf_to_gguf.py")), \
         "build/ggml has no converter: scripts/setup.sh unpacks it"
     jobs, pairs = [], []
@@ -61,6 +53,9 @@ def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
     for name in WIDE_ROWS:
         for outtype in ("f16", "q8_0"):
             pairs.append((name + "_wide", outtype, wide[name]))
+    moe = build_checkpoint(str(tmp_path / "gemma4_moe"), seed=5, **GEMMA4_MOE)
+    moe_wide = build_checkpoint(str(tmp_path / "gemma4_moe_wide"), seed=5, **GEMMA4_MOE, **WIDE)
+    pairs += [("gemma4_moe", "f32", moe), ("gemma4_moe", "bf16", moe), ("gemma4_moe_wide", "q8_0", moe_wide)]
     for name, outtype, src in pairs:
         ours, theirs = tmp_path / f"{name}.{outtype}.gguf", tmp_path / f"{name}.{outtype}.ref.gguf"
         _export(src, str(ours), outtype)
@@ -77,7 +72,7 @@ def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
             why = _difference(tmp_path / f"{name}.{outtype}.gguf", tmp_path / f"{name}.{outtype}.ref.gguf")
             differ.append(f"{name} {outtype}: {why}")
     assert not differ, "\n".join(differ)
-    assert len(pairs) == 2 * len(MAIN_ROWS) + 2 * len(WIDE_ROWS)
+    assert len(pairs) == 2 * len(MAIN_ROWS) + 2 * len(WIDE_ROWS) + 3
 
 
 def _difference(a, b) -> str:
