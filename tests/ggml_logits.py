@@ -21,6 +21,6 @@ for i, job in enumerate(jobs):
         rows.append(np.array(llm.scores[: len(seq)], dtype=np.float32))
     out[f"logits_{i}"] = np.stack(rows)
     for j, text in enumerate(job.get("texts", [])):
-        out[f"ids_{i}_{j}"] = np.array(llm.tokenize(text.encode(), add_bos=llm.add_bos_token(), special=True))
+        out[f"ids_{i}_{j}"] = np.array(llm.tokenize(text.encode(), add_bos=True, special=True))
     del llm
 np.savez(sys.argv[2], **out)

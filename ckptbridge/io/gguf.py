@@ -247,15 +247,21 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     float16 followed by the 32 q as int8."""
     if x.shape[-1] % QK8_0:
         raise ValueError(f"Q8_0 needs an innermost dimension that is a multiple of {QK8_0}, not {x.shape[-1]}")
-    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK8_0)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    blocks = np.array(x, dtype=np.float32).reshape(-1, QK8_0)  # a copy, worked on in place
+    d = np.abs(blocks).max(axis=1, keepdims=True)
+    d /= np.float32(127)
     with np.errstate(divide="ignore"):
         inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    scaled = blocks * inv
-    a = np.abs(scaled)
-    floor = np.floor(a)
-    q = np.sign(scaled) * (floor + np.floor(2 * (a - floor)))  # round half away from zero, as ggml's roundf
-    out = np.concatenate([d.astype(np.float16).view(np.uint8), q.astype(np.int8).view(np.uint8)], axis=1)
+    blocks *= inv
+    q = np.trunc(blocks)
+    blocks -= q  # the fraction, exact, with the value's sign
+    away = np.abs(blocks) >= np.float32(0.5)  # round half away from zero, as ggml's roundf
+    q8 = q.astype(np.int8)
+    q8 += np.copysign(away, blocks).astype(np.int8)
+    out = np.empty((blocks.shape[0], 34), np.uint8)
+    with np.errstate(over="ignore"):  # d beyond float16 becomes inf, as in ggml
+        out[:, :2] = d.astype(np.float16).view(np.uint8)
+    out[:, 2:] = q8.view(np.uint8)
     return out.reshape(*x.shape[:-1], x.shape[-1] // QK8_0 * 34)
 
 
