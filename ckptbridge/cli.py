@@ -11,6 +11,7 @@
     ckptbridge verify logits HF_DIR [--tunix SRC]
     ckptbridge verify quantized QUANTIZED --source SRC [--tolerance X]
     ckptbridge verify tensors A B
+    ckptbridge verify gguf FILE.gguf SRC [--adapter ADAPTER]
     ckptbridge verify adapter ADAPTER --base BASE [--target hf|vllm] [--prompt TEXT | --ids 1,2,3] [--lint-only]
     ckptbridge verify served --url URL --model NAME --base BASE [--adapter DIR] [--ids ...] [--tokens N]
     ckptbridge env [--json]
@@ -196,6 +197,15 @@ def cmd_verify_tensors(args) -> int:
     from ckptbridge.verify import compare_tensors
 
     report = compare_tensors(args.a, args.b, revision=args.revision)
+    _emit(args, report)
+    return 0 if report.identical else 6
+
+
+def cmd_verify_gguf(args) -> int:
+    from ckptbridge.gguf_export import verify_gguf
+
+    report = verify_gguf(args.gguf, args.src, adapter=args.adapter, step=args.step, alpha=args.alpha,
+                         **_parallel(args), revision=args.revision)
     _emit(args, report)
     return 0 if report.identical else 6
 
@@ -517,6 +527,23 @@ def add_verify_tensors(vsub) -> None:
     sp.set_defaults(func=cmd_verify_tensors)
 
 
+def add_verify_gguf(vsub) -> None:
+    sp = vsub.add_parser(
+        "gguf", help="a GGUF file against the model it was made from, tensor by tensor", epilog=EPILOG,
+        description="Check that every tensor of a GGUF file (ours or ggml's converter's) holds the source model's "
+        "values in its stored type (F32/F16/BF16 bit for bit, Q8_0 equal to quantizing them again), with ggml's "
+        "value changes, and that no tensor is missing or extra. Exit 6 when they differ.")
+    sp.add_argument("gguf", metavar="GGUF", help="the GGUF file")
+    sp.add_argument("src", metavar="SRC", help="the model it was made from: HF model directory or Hub id, or a Tunix "
+                    "Orbax weights checkpoint")
+    sp.add_argument("--adapter", metavar="ADAPTER", help="the LoRA adapter merged into it (PEFT, or Tunix/qwix Orbax)")
+    _orbax_lora_options(sp)
+    _parallel_options(sp, "read, merge and quantize row blocks ahead of the comparison")
+    _json_option(sp)
+    _revision_option(sp, "SRC")
+    sp.set_defaults(func=cmd_verify_gguf)
+
+
 def add_verify_adapter(vsub) -> None:
     sp = vsub.add_parser(
         "adapter", help="prove a LoRA adapter is live and exact for its base", epilog=EPILOG,
@@ -589,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect(sub)
     ver = sub.add_parser("verify", help="check a conversion", description="Check a conversion.", epilog=EPILOG)
     vsub = ver.add_subparsers(dest="check", metavar="CHECK", required=True)
-    for add_check in (add_verify_logits, add_verify_quantized, add_verify_tensors, add_verify_adapter,
+    for add_check in (add_verify_logits, add_verify_quantized, add_verify_tensors, add_verify_gguf, add_verify_adapter,
                       add_verify_served):
         add_check(vsub)
     add_env(sub)
@@ -609,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
 INPUT_EXTRAS = {
     "merge": [("Orbax adapter", "orbax")],
     "convert to-gguf": [("Orbax checkpoint or adapter", "orbax")],
+    "verify gguf": [("Orbax checkpoint or adapter", "orbax")],
     "inspect": [("Orbax checkpoint", "orbax")],
     "verify adapter": [("Orbax adapter", "orbax"), ("live and exact checks", "verify")],
 }

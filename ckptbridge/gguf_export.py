@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +111,7 @@ def store(values: np.ndarray, t: gguf.TensorType) -> np.ndarray:
     return values.astype(np.float32).astype(want)
 
 
-def _plan(cfg, spec_gguf: GGUFSpec, ents: list[mapping.Entry], wanted: gguf.TensorType, h: dict) -> list[_Tensor]:
+def _plan(cfg, spec_gguf: GGUFSpec, ents: list[mapping.Entry], type_of: Callable, h: dict) -> list[_Tensor]:
     out: list[_Tensor] = []
     for e in ents:
         if not e.hf_keys:
@@ -125,7 +127,7 @@ def _plan(cfg, spec_gguf: GGUFSpec, ents: list[mapping.Entry], wanted: gguf.Tens
                                        f"({spec_gguf.arch}); ggml's converter does not write it") from None
             shape = (len(keys), *e.hf_shape) if e.rule.stack is not None else tuple(e.hf_shape)
             heads = spec_gguf.rope_rows.get(suffix)
-            out.append(_Tensor(name, shape, stored_type(name, shape, wanted), tuple(keys), tuple(e.hf_shape),
+            out.append(_Tensor(name, shape, type_of(name, shape), tuple(keys), tuple(e.hf_shape),
                                shift=spec_gguf.norm_shift if suffix.endswith("norm.weight") else 0.0,
                                rope_heads=int(h[heads]) if heads else None))
     return out
@@ -240,17 +242,111 @@ def _orbax_jobs(source, tensors: dict[str, _Tensor]) -> Iterator[tuple[int, Call
             yield source.nbytes(e) * 2, functools.partial(make, e)
 
 
+# generation_config.json field -> (general.sampling.* key, GGUF type): the defaults ggml's runtimes sample with
+SAMPLING = {"sequence": ("sequence", gguf.ValueType.STRING), "top_k": ("top_k", gguf.ValueType.INT32),
+            "top_p": ("top_p", gguf.ValueType.FLOAT32), "min_p": ("min_p", gguf.ValueType.FLOAT32),
+            "xtc_probability": ("xtc_probability", gguf.ValueType.FLOAT32),
+            "xtc_threshold": ("xtc_threshold", gguf.ValueType.FLOAT32),
+            "temperature": ("temp", gguf.ValueType.FLOAT32), "penalty_last_n": ("penalty_last_n", gguf.ValueType.INT32),
+            "penalty_repeat": ("penalty_repeat", gguf.ValueType.FLOAT32),
+            "mirostat": ("mirostat", gguf.ValueType.INT32), "mirostat_tau": ("mirostat_tau", gguf.ValueType.FLOAT32),
+            "mirostat_eta": ("mirostat_eta", gguf.ValueType.FLOAT32)}
+
+
+def sampling_metadata(directory: str | None) -> dict[str, gguf.Value]:
+    """``general.sampling.*`` from the model's generation_config.json, as ggml's converter writes them."""
+    path = os.path.join(directory, "generation_config.json") if directory and not storage.is_remote(directory) else ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    out = {}
+    for field, (key, kind) in SAMPLING.items():
+        v = config.get(field)
+        if v is not None and not isinstance(v, bool):
+            out[f"general.sampling.{key}"] = gguf.Value(kind, str(v) if kind is gguf.ValueType.STRING
+                                                        else int(v) if kind is gguf.ValueType.INT32 else float(v))
+    return out
+
+
 def _metadata(spec_gguf: GGUFSpec, h: dict, block_count: int, name: str, size: str, file_type: int,
-              tokenizer: list[tuple[str, gguf.Value]]) -> dict[str, gguf.Value]:
+              tokenizer: list[tuple[str, gguf.Value]], sampling: dict[str, gguf.Value]) -> dict[str, gguf.Value]:
     arch = spec_gguf.arch
     out: dict[str, gguf.Value] = {"general.architecture": gguf.string(arch), "general.type": gguf.string("model"),
-                                  "general.name": gguf.string(name), "general.size_label": gguf.string(size)}
+                                  **sampling, "general.name": gguf.string(name),
+                                  "general.size_label": gguf.string(size)}
     for key, value in spec_gguf.metadata(h, block_count):
         out[key.replace("{arch}", arch)] = gguf.u32(file_type) if key == FILE_TYPE else value
     out["general.quantization_version"] = gguf.u32(GGML_QUANT_VERSION)
     for key, value in tokenizer:
         out[key] = value
     return out
+
+
+@dataclasses.dataclass
+class _Opened:
+    """A source made ready for GGUF: its config and family spec, the GGUF tensors in write order,
+    and their stored forms coming in order (``parts.take_many(name, counts[name])``)."""
+
+    cfg: Any
+    spec_gguf: GGUFSpec
+    h: dict
+    tensors: list[_Tensor]
+    parts: Parts
+    counts: dict[str, int]
+    assets_dir: str | None
+
+
+@contextlib.contextmanager
+def _open(src: str, adapter: str | None, type_of: Callable[[str, tuple[int, ...]], gguf.TensorType], *,
+          step: int | None, alpha: float | None, parallel: Parallelism, name: str) -> Iterator[_Opened]:
+    """Open ``src`` (HF directory, with ``adapter`` merged, or a Tunix Orbax checkpoint) and start
+    making its GGUF tensors, each stored as ``type_of(name, shape)`` says."""
+    if adapter is not None and not is_hf_directory(src):
+        raise ConfigError(f"{src}: --adapter needs the HF base model directory as the source (the model the "
+                          "adapter was trained on)")
+    if adapter is None and (alpha is not None or (step is not None and is_hf_directory(src))):
+        raise ConfigError("step/alpha (--step, --alpha) apply with --adapter (--step also to an Orbax source)")
+    with contextlib.ExitStack() as stack:
+        if is_hf_directory(src):
+            with open_hf_source(src, skip_multimodal=True) as source:
+                spec_gguf, h = _family(source.cfg, src)
+                tensors = _plan(source.cfg, spec_gguf, source.entries, type_of, h)
+                files = sorted({source.model.file_of(k).path for t in tensors for k in t.keys})
+                tensors = converter_order(tensors, lambda k: (files.index(source.model.file_of(k).path), k))
+            cfg = source.cfg
+            model = stack.enter_context(HFModelDir(src))
+            engine = stack.enter_context(parallel.engine(name))
+            deltas: dict = {}
+            if adapter is not None:
+                ad = stack.enter_context(lora.open_adapter(adapter, lora.open_base(src), step=step, alpha=alpha,
+                                                           engine=engine))
+                for key, row, scale, (a, b) in lora.hf_deltas(ad):
+                    if key not in model:
+                        raise MismatchError(f"{adapter}: LoRA for {key}, which the base {src} does not have")
+                    deltas.setdefault(key, []).append((row, np.asarray(a, np.float32),
+                                                       np.asarray(b, np.float32) * np.float32(scale)))
+            reader = _HFRows(model, deltas)
+            block_bytes = min(BLOCK_BYTES, engine.budget.limit // 2)
+            counts: dict[str, int] = {}
+            jobs: list = []
+            for t in tensors:
+                tensor_jobs = list(reader.jobs(t, block_bytes))
+                counts[t.name] = len(tensor_jobs)
+                jobs += tensor_jobs
+            yield _Opened(cfg, spec_gguf, h, tensors, Parts(engine.stream(jobs)), counts, src)
+        else:
+            orbax = stack.enter_context(open_orbax_source(src, step=step))
+            spec_gguf, h = _family(orbax.cfg, src)
+            tensors = _plan(orbax.cfg, spec_gguf, orbax.entries, type_of, h)
+            assets = storage.join(orbax.ckpt.path, ASSETS_DIR)
+            engine = stack.enter_context(parallel.engine(name))
+            parts = Parts(engine.stream(_orbax_jobs(orbax, {t.name: t for t in tensors})))
+            yield _Opened(orbax.cfg, spec_gguf, h, tensors, parts, {t.name: len(t.keys) for t in tensors},
+                          assets if storage.isdir(assets) else orbax.config_dir)
 
 
 def convert_to_gguf(src: str, dst: str, *, adapter: str | None = None, outtype: str = "bf16",
@@ -274,27 +370,12 @@ def convert_to_gguf(src: str, dst: str, *, adapter: str | None = None, outtype: 
     src = hub.local(src, hub.MODEL, revision=revision)
     if adapter is not None:
         adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
-        if not is_hf_directory(src):
-            raise ConfigError(f"{src}: --adapter needs the HF base model directory as the source (the model the "
-                              "adapter was trained on)")
     sources = [src] + ([adapter] if adapter else [])
     check_destination(dst, sources, overwrite)
-    if is_hf_directory(src):
-        return _from_hf(src, dst, adapter=adapter, wanted=wanted, outtype=outtype, file_type=file_type, step=step,
-                        alpha=alpha, tokenizer=tokenizer, name=name, overwrite=overwrite, parallel=parallel,
-                        progress=progress, t0=t0)
-    if alpha is not None:
-        raise ConfigError("alpha (--alpha) applies with --adapter")
-    with open_orbax_source(src, step=step) as source:
-        spec_gguf, h = _family(source.cfg, src)
-        tensors = _plan(source.cfg, spec_gguf, source.entries, wanted, h)
-        assets = storage.join(source.ckpt.path, ASSETS_DIR)
-        assets_dir = assets if storage.isdir(assets) else source.config_dir
-        with parallel.engine("to-gguf") as engine:
-            parts = Parts(engine.stream(_orbax_jobs(source, {t.name: t for t in tensors})))
-            return _write(source.cfg, spec_gguf, h, tensors, parts, dst, src=src, adapter=None, assets_dir=assets_dir,
-                          outtype=outtype, file_type=file_type, tokenizer=tokenizer, name=name, overwrite=overwrite,
-                          sources=sources, progress=progress, t0=t0, counts=None)
+    with _open(src, adapter, lambda n, shape: stored_type(n, shape, wanted), step=step, alpha=alpha,
+               parallel=parallel, name="to-gguf") as o:
+        return _write(o, dst, src=src, adapter=adapter, outtype=outtype, file_type=file_type, tokenizer=tokenizer,
+                      name=name, overwrite=overwrite, sources=sources, progress=progress, t0=t0)
 
 
 def _family(cfg, where: str) -> tuple[GGUFSpec, dict]:
@@ -305,64 +386,31 @@ def _family(cfg, where: str) -> tuple[GGUFSpec, dict]:
                                "it; GGUF export covers " + ", ".join(sorted(
                                    t for f in specs.FAMILIES.values() for t in f.gguf)))
     h = text_config(cfg.hf_config)
+    if spec_gguf.defaults is not None:
+        h = {**spec_gguf.defaults(cfg), **h}
     if spec_gguf.unsupported is not None and (why := spec_gguf.unsupported(h)):
         raise UnsupportedError(f"{where}: {why}")
     return spec_gguf, h
 
 
-def _from_hf(src: str, dst: str, *, adapter: str | None, wanted, outtype: str, file_type: int, step, alpha,
-             tokenizer: bool, name, overwrite: bool, parallel: Parallelism, progress, t0: float) -> GGUFReport:
-    with open_hf_source(src, skip_multimodal=True) as source:
-        spec_gguf, h = _family(source.cfg, src)
-        tensors = _plan(source.cfg, spec_gguf, source.entries, wanted, h)
-        files = sorted({source.model.file_of(k).path for t in tensors for k in t.keys})
-        tensors = converter_order(tensors, lambda k: (files.index(source.model.file_of(k).path), k))
-    if adapter is None and (step is not None or alpha is not None):
-        raise ConfigError("step/alpha (--step, --alpha) apply with --adapter")
-    with contextlib.ExitStack() as stack:
-        model = stack.enter_context(HFModelDir(src))
-        engine = stack.enter_context(parallel.engine("to-gguf"))
-        deltas: dict = {}
-        if adapter is not None:
-            ad = stack.enter_context(lora.open_adapter(adapter, lora.open_base(src), step=step, alpha=alpha,
-                                                       engine=engine))
-            for key, row, scale, (a, b) in lora.hf_deltas(ad):
-                if key not in model:
-                    raise MismatchError(f"{adapter}: LoRA for {key}, which the base {src} does not have")
-                deltas.setdefault(key, []).append((row, np.asarray(a, np.float32),
-                                                   np.asarray(b, np.float32) * np.float32(scale)))
-        reader = _HFRows(model, deltas)
-        block_bytes = min(BLOCK_BYTES, engine.budget.limit // 2)
-        counts: dict[str, int] = {}
-        jobs: list = []
-        for t in tensors:
-            tensor_jobs = list(reader.jobs(t, block_bytes))
-            counts[t.name] = len(tensor_jobs)
-            jobs += tensor_jobs
-        parts = Parts(engine.stream(jobs))
-        return _write(source.cfg, spec_gguf, h, tensors, parts, dst, src=src, adapter=adapter, assets_dir=src,
-                      outtype=outtype, file_type=file_type, tokenizer=tokenizer, name=name, overwrite=overwrite,
-                      sources=[src] + ([adapter] if adapter else []), progress=progress, t0=t0, counts=counts)
-
-
-def _write(cfg, spec_gguf: GGUFSpec, h: dict, tensors: list[_Tensor], parts: Parts, dst: str, *, src: str,
-           adapter: str | None, assets_dir: str | None, outtype: str, file_type: int, tokenizer: bool, name,
-           overwrite: bool, sources: list[str], progress, t0: float, counts: dict[str, int] | None) -> GGUFReport:
+def _write(o: _Opened, dst: str, *, src: str, adapter: str | None, outtype: str, file_type: int, tokenizer: bool,
+           name, overwrite: bool, sources: list[str], progress, t0: float) -> GGUFReport:
     tok: list = []
     if tokenizer:
-        if assets_dir is None or storage.is_remote(assets_dir):
+        if o.assets_dir is None or storage.is_remote(o.assets_dir):
             raise UnsupportedError(f"{src}: its tokenizer files are not on this machine; export with --no-tokenizer "
                                    "or from a local copy")
-        tok = tokenizer_metadata(assets_dir, cfg.hf_config, cfg.vocab_size, src, pre_tokenizers=PRE_TOKENIZERS,
-                                 spm_model=SPM_MODEL, family_model=spec_gguf.tokenizer,
-                                 visible=spec_gguf.visible_tokens, spm_ids=spec_gguf.spm_ids)
+        tok = tokenizer_metadata(o.assets_dir, o.cfg.hf_config, o.cfg.vocab_size, src, pre_tokenizers=PRE_TOKENIZERS,
+                                 spm_model=SPM_MODEL, family_model=o.spec_gguf.tokenizer,
+                                 visible=o.spec_gguf.visible_tokens, spm_ids=o.spec_gguf.spm_ids)
     planned = [gguf.PlannedTensor(n, v.shape, gguf.TensorType.F32, functools.partial(lambda v: v, v))
-               for n, v in (spec_gguf.extra(h) if spec_gguf.extra else [])]
-    for t in tensors:
-        n = counts[t.name] if counts is not None else len(t.keys)
-        planned.append(gguf.PlannedTensor(t.name, t.shape, t.type, functools.partial(parts.take_many, t.name, n)))
+               for n, v in _extra(o)]
+    for t in o.tensors:
+        planned.append(gguf.PlannedTensor(t.name, t.shape, t.type,
+                                          functools.partial(o.parts.take_many, t.name, o.counts[t.name])))
     model_name = name or title(os.path.basename(os.path.normpath(src)))
-    metadata = _metadata(spec_gguf, h, cfg.num_layers, model_name, size_label(planned), file_type, tok)
+    metadata = _metadata(o.spec_gguf, o.h, o.cfg.num_layers, model_name, size_label(planned), file_type, tok,
+                         sampling_metadata(o.assets_dir))
     total = sum(t.nbytes for t in planned)
     bar = Progress(total, "to gguf", enabled=progress)
     size = gguf.write_gguf(dst, metadata, planned, overwrite=overwrite, sources=sources, on_written=bar.update)
@@ -371,9 +419,104 @@ def _write(cfg, spec_gguf: GGUFSpec, h: dict, tensors: list[_Tensor], parts: Par
     for p in planned:
         types[p.type.name] = types.get(p.type.name, 0) + 1
     tok_model = next((v.value for k, v in tok if k == "tokenizer.ggml.model"), None)
-    return GGUFReport(direction="to-gguf", source=src, adapter=adapter, destination=dst, family=cfg.family,
-                      architecture=spec_gguf.arch, outtype=outtype, tensors=len(planned), tensor_types=types,
+    return GGUFReport(direction="to-gguf", source=src, adapter=adapter, destination=dst, family=o.cfg.family,
+                      architecture=o.spec_gguf.arch, outtype=outtype, tensors=len(planned), tensor_types=types,
                       bytes=size, tokenizer=tok_model, seconds=round(time.perf_counter() - t0, 3))
 
 
-__all__ = ["GGUFReport", "OUTTYPES", "convert_to_gguf", "stored_type", "store"]
+def _extra(o: _Opened) -> list[tuple[str, np.ndarray]]:
+    return list(o.spec_gguf.extra(o.h)) if o.spec_gguf.extra else []
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVerifyReport(Report):
+    """A GGUF file against the model it was made from, tensor by tensor."""
+
+    gguf: str
+    source: str
+    adapter: str | None
+    architecture: str
+    tensors: int
+    identical: bool
+    differing: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        head = f"verify gguf: {self.gguf} against {self.source}" + (f" + {self.adapter}" if self.adapter else "")
+        if self.identical:
+            return (f"{head}\n  identical: {self.tensors} tensors ({self.architecture}), each the source's values as "
+                    "stored (float types bit for bit, Q8_0 as quantized again)")
+        lines = [f"{head}\n  DIFFERENT ({self.tensors} tensors compared)"]
+        for what, names in (("differ", self.differing), ("missing from the file", self.missing),
+                            ("not made from the source", self.unexpected)):
+            if names:
+                lines.append(f"  {len(names)} {what}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+        return "\n".join(lines)
+
+
+def verify_gguf(path: str, src: str, *, adapter: str | None = None, step: int | None = None,
+                alpha: float | None = None, workers: int | None = None, memory_budget: str | int | None = None,
+                revision: str | None = None) -> GGUFVerifyReport:
+    """Compare the GGUF file ``path`` (written by ckptbridge or by ggml's converter) with the model
+    ``src`` it was made from (an adapter merged as ``convert_to_gguf`` would), tensor by tensor: each
+    tensor must hold the source's values in its stored type (F32, F16, BF16 bit for bit; Q8_0 equal
+    to quantizing them again), with ggml's value changes (norms + 1, reordered q/k rows, stacked
+    experts). Streaming, as the export."""
+    t0 = time.perf_counter()
+    file = gguf.read_gguf(path)
+    src = hub.local(src, hub.MODEL, revision=revision)
+    if adapter is not None:
+        adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
+    parallel = Parallelism.of(workers, memory_budget)
+
+    def type_of(name: str, shape: tuple[int, ...]) -> gguf.TensorType:
+        info = file.tensors.get(name)
+        if info is not None and isinstance(info.type, gguf.TensorType):
+            return info.type
+        return stored_type(name, shape, gguf.TensorType.F32)
+
+    differing: list[str] = []
+    with _open(src, adapter, type_of, step=step, alpha=alpha, parallel=parallel, name="verify-gguf") as o:
+        arch = file.metadata.get("general.architecture")
+        if arch != o.spec_gguf.arch:
+            raise MismatchError(f"{path}: general.architecture is {arch!r}; {src} is GGUF {o.spec_gguf.arch!r}")
+        made = {t.name: t for t in o.tensors}
+        extra = dict(_extra(o))
+        missing = [n for n in list(extra) + list(made) if n not in file.tensors]
+        unexpected = [n for n in file.tensors if n not in made and n not in extra]
+        for n, v in extra.items():
+            if n in file.tensors and not _same(file, n, [v], v.shape):
+                differing.append(n)
+        for t in o.tensors:
+            pieces = o.parts.take_many(t.name, o.counts[t.name])
+            if t.name not in file.tensors:
+                for _ in pieces:
+                    pass
+                continue
+            if not _same(file, t.name, pieces, t.shape):
+                differing.append(t.name)
+    return GGUFVerifyReport(gguf=path, source=src, adapter=adapter, architecture=o.spec_gguf.arch,
+                            tensors=len(made) + len(extra), identical=not (differing or missing or unexpected),
+                            differing=differing, missing=missing, unexpected=unexpected,
+                            seconds=round(time.perf_counter() - t0, 3))
+
+
+def _same(file, name: str, pieces, shape: tuple[int, ...]) -> bool:
+    """Whether tensor ``name`` of ``file`` has ``shape`` and the bytes of ``pieces`` (consumed)."""
+    info = file.tensors[name]
+    ok = tuple(info.shape) == tuple(shape) and isinstance(info.type, gguf.TensorType)
+    stored = file.array(name).reshape(-1).view(np.uint8) if ok else None
+    at = 0
+    for piece in pieces:
+        if not ok or stored is None:
+            ok = False
+            continue
+        b = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+        ok = at + b.size <= stored.size and np.array_equal(stored[at:at + b.size], b)
+        at += b.size
+    return ok and stored is not None and at == stored.size
+
+
+__all__ = ["GGUFReport", "GGUFVerifyReport", "OUTTYPES", "convert_to_gguf", "stored_type", "store", "verify_gguf"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,6 +54,11 @@ def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
     for name in WIDE_ROWS:
         for outtype in ("f16", "q8_0"):
             pairs.append((name + "_wide", outtype, wide[name]))
+    sampled = tmp_path / "llama3_sampled"  # general.sampling.* from generation_config.json
+    shutil.copytree(checkpoints["llama3_tied"], sampled)
+    (sampled / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "bos_token_id": 2, "eos_token_id": 1}))
+    pairs.append(("llama3_sampled", "bf16", str(sampled)))
     moe = build_checkpoint(str(tmp_path / "gemma4_moe"), seed=5, **GEMMA4_MOE)
     moe_wide = build_checkpoint(str(tmp_path / "gemma4_moe_wide"), seed=5, **GEMMA4_MOE, **WIDE)
     pairs += [("gemma4_moe", "f32", moe), ("gemma4_moe", "bf16", moe), ("gemma4_moe_wide", "q8_0", moe_wide)]
@@ -72,7 +78,10 @@ def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
             why = _difference(tmp_path / f"{name}.{outtype}.gguf", tmp_path / f"{name}.{outtype}.ref.gguf")
             differ.append(f"{name} {outtype}: {why}")
     assert not differ, "\n".join(differ)
-    assert len(pairs) == 2 * len(MAIN_ROWS) + 2 * len(WIDE_ROWS) + 3
+    assert len(pairs) == 2 * len(MAIN_ROWS) + 2 * len(WIDE_ROWS) + 4
+    from ckptbridge.io.gguf import read_gguf
+
+    assert read_gguf(str(tmp_path / "llama3_sampled.bf16.gguf")).metadata["general.sampling.top_k"] == 20
 
 
 def _difference(a, b) -> str:
@@ -171,8 +180,6 @@ def test_bad_input_ends_in_one_line_and_writes_nothing(checkpoints, converted, t
     code, err = run(converted["llama3_tied"][0], str(tmp_path / "y.gguf"), "--adapter", src)
     assert code == 8 and "--adapter needs the HF base model directory" in err and not (tmp_path / "y.gguf").exists()
     # a tokenizer GGUF cannot express: a WordPiece one
-    import shutil
-
     odd = tmp_path / "wordpiece"
     shutil.copytree(src, odd)
     tok = json.loads((odd / "tokenizer.json").read_text())
@@ -186,3 +193,34 @@ def test_bad_input_ends_in_one_line_and_writes_nothing(checkpoints, converted, t
     from ckptbridge.io.gguf import read_gguf
 
     assert not any(k.startswith("tokenizer.") for k in read_gguf(str(tmp_path / "z.gguf")).metadata)
+
+
+def test_verify_gguf_finds_every_changed_tensor(checkpoints, wide, adapters, tmp_path):
+    """``verify gguf``: our files (q8_0 with Gemma's norm shift, f16, an adapter merged) are
+    identical to their sources; one changed byte is named; a file of another model is refused."""
+    from ckptbridge.errors import MismatchError
+    from ckptbridge.gguf_export import verify_gguf
+
+    src = wide["gemma3_text"]
+    q8 = _export(src, str(tmp_path / "q8.gguf"), "q8_0")
+    report = verify_gguf(q8, src)
+    assert report.identical and report.tensors > 50 and not (report.differing or report.missing)
+    f16 = _export(checkpoints["qwen3_moe"], str(tmp_path / "f16.gguf"), "f16")
+    assert verify_gguf(f16, checkpoints["qwen3_moe"]).identical
+    merged = _export(checkpoints["qwen3_untied"], str(tmp_path / "m.gguf"), "bf16", adapter=adapters["qwen3_untied"].peft)
+    assert verify_gguf(merged, checkpoints["qwen3_untied"], adapter=adapters["qwen3_untied"].peft).identical
+    assert verify_gguf(merged, checkpoints["qwen3_untied"]).differing  # the base alone differs
+    from ckptbridge.io.gguf import read_gguf
+
+    info = read_gguf(q8).tensors["blk.1.ffn_down.weight"]
+    data = bytearray(open(q8, "rb").read())
+    data[info.offset + 7] ^= 1
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    report = verify_gguf(str(bad), src)
+    assert not report.identical and report.differing == ["blk.1.ffn_down.weight"]
+    proc = subprocess.run([sys.executable, "-m", "ckptbridge", "verify", "gguf", str(bad), src], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 6 and "blk.1.ffn_down.weight" in proc.stdout
+    with pytest.raises(MismatchError, match="general.architecture is 'gemma3'"):
+        verify_gguf(q8, checkpoints["llama3_tied"])

@@ -35,6 +35,7 @@ VERSION = 3
 ALIGNMENT = 32  # general.alignment when a file does not set it
 QK8_0 = 32  # values per Q8_0 block
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+Q8_PIECE = 8192  # Q8_0 blocks quantized at once (1 MiB of float32)
 
 
 class ValueType(enum.IntEnum):
@@ -247,21 +248,36 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     float16 followed by the 32 q as int8."""
     if x.shape[-1] % QK8_0:
         raise ValueError(f"Q8_0 needs an innermost dimension that is a multiple of {QK8_0}, not {x.shape[-1]}")
-    blocks = np.array(x, dtype=np.float32).reshape(-1, QK8_0)  # a copy, worked on in place
-    d = np.abs(blocks).max(axis=1, keepdims=True)
-    d /= np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    blocks *= inv
-    q = np.trunc(blocks)
-    blocks -= q  # the fraction, exact, with the value's sign
-    away = np.abs(blocks) >= np.float32(0.5)  # round half away from zero, as ggml's roundf
-    q8 = q.astype(np.int8)
-    q8 += np.copysign(away, blocks).astype(np.int8)
-    out = np.empty((blocks.shape[0], 34), np.uint8)
-    with np.errstate(over="ignore"):  # d beyond float16 becomes inf, as in ggml
-        out[:, :2] = d.astype(np.float16).view(np.uint8)
-    out[:, 2:] = q8.view(np.uint8)
+    flat = np.ascontiguousarray(x).reshape(-1, QK8_0)
+    n = flat.shape[0]
+    out = np.empty((n, 34), np.uint8)
+    # in pieces of Q8_PIECE blocks through buffers made once: no allocation per piece (the allocator
+    # handing back and faulting in fresh pages for every temporary cost as much as the arithmetic)
+    per = min(n, Q8_PIECE)
+    b, q = np.empty((per, QK8_0), np.float32), np.empty((per, QK8_0), np.float32)
+    d, inv = np.empty((per, 1), np.float32), np.empty((per, 1), np.float32)
+    q8, half = np.empty((per, QK8_0), np.int8), np.empty((per, QK8_0), np.bool_)
+    for start in range(0, n, per):
+        m = min(per, n - start)
+        bm, qm, dm, im, q8m, hm = b[:m], q[:m], d[:m], inv[:m], q8[:m], half[:m]
+        np.copyto(bm, flat[start:start + m], casting="unsafe")
+        np.abs(bm, out=qm)
+        np.max(qm, axis=1, keepdims=True, out=dm)
+        dm /= np.float32(127)
+        with np.errstate(divide="ignore"):
+            np.divide(np.float32(1), dm, out=im)
+        im[dm == 0] = 0
+        bm *= im
+        np.trunc(bm, out=qm)
+        bm -= qm  # the fraction, exact, with the value's sign
+        np.copyto(q8m, qm, casting="unsafe")  # then rounded half away from zero, as ggml's roundf
+        np.greater_equal(bm, np.float32(0.5), out=hm)
+        q8m += hm.view(np.int8)
+        np.less_equal(bm, np.float32(-0.5), out=hm)
+        q8m -= hm.view(np.int8)
+        with np.errstate(over="ignore"):  # d beyond float16 becomes inf, as in ggml
+            out[start:start + m, :2] = dm.astype(np.float16).view(np.uint8)
+        out[start:start + m, 2:] = q8m.view(np.uint8)
     return out.reshape(*x.shape[:-1], x.shape[-1] // QK8_0 * 34)
 
 

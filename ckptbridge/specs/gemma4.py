@@ -482,8 +482,14 @@ def gguf_rope_freqs(h: dict) -> list:
     return [("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32))]
 
 
+def gguf_defaults(cfg: ModelConfig) -> dict:
+    """transformers' values of the fields a config.json may leave out (layer types as it derives them)."""
+    return {**TEXT_DEFAULTS, "max_position_embeddings": 131_072, "rope_parameters": DEFAULT_ROPE,
+            "layer_types": [layer.attention for layer in cfg.layers]}
+
+
 GGUF = ggml.GGUFSpec(
-    arch="gemma4", metadata=gguf_metadata, extra=gguf_rope_freqs, tokenizer="gemma4",
+    arch="gemma4", metadata=gguf_metadata, extra=gguf_rope_freqs, tokenizer="gemma4", defaults=gguf_defaults,
     visible_tokens=frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                               "<tool_response|>", '<|"|>'}),
     names={**ggml.COMMON_NAMES, **ggml.SANDWICH_NAMES,

@@ -79,6 +79,8 @@ class GGUFSpec:
       spm_ids: ``tokenizer.ggml.*`` token ids the converter sets with a SentencePiece tokenizer
         (Gemma 1: CodeGemma's end of turn).
       unsupported: ``text_config -> reason or None``: a configuration ggml does not run.
+      defaults: ``ModelConfig -> {field: value}``: the values transformers' config class gives
+        fields a config.json leaves out (ggml's converter reads the config through it).
     """
 
     arch: str
@@ -91,6 +93,7 @@ class GGUFSpec:
     visible_tokens: frozenset[str] = frozenset()
     spm_ids: Mapping[str, int] = dataclasses.field(default_factory=dict)
     unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
+    defaults: Callable[[Any], dict] | None = None
 
 
 def text_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
