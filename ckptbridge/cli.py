@@ -5,6 +5,7 @@
     ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
     ckptbridge convert to-gguf SRC DST.gguf [--adapter ADAPTER] [--outtype f32|f16|bf16|q8_0]
+    ckptbridge convert adapter-to-gguf ADAPTER DST.gguf --base BASE [--outtype f32|f16|bf16|q8_0]
     ckptbridge merge BASE ADAPTER DST [--quantize int8|fp8]
     ckptbridge quantize SRC DST --scheme int8|fp8
     ckptbridge inspect PATH [--json]
@@ -147,6 +148,15 @@ def cmd_to_gguf(args) -> int:
                                 alpha=args.alpha, tokenizer=not args.no_tokenizer, name=args.name,
                                 overwrite=args.overwrite, **_parallel(args), progress=_progress(args),
                                 revision=args.revision))
+    return 0
+
+
+def cmd_adapter_to_gguf(args) -> int:
+    from ckptbridge.gguf_adapter import convert_adapter_to_gguf
+
+    _emit(args, convert_adapter_to_gguf(args.src, args.dst, base=args.base, step=args.step, alpha=args.alpha,
+                                        outtype=args.outtype, name=args.name, overwrite=args.overwrite,
+                                        progress=_progress(args), revision=args.revision))
     return 0
 
 
@@ -433,6 +443,29 @@ def add_to_gguf(csub) -> None:
     sp.set_defaults(func=cmd_to_gguf)
 
 
+def add_adapter_to_gguf(csub) -> None:
+    sp = csub.add_parser(
+        "adapter-to-gguf", help="LoRA adapter (PEFT or Tunix) -> GGUF LoRA (--lora, Ollama ADAPTER)",
+        description="Write a PEFT adapter or a Tunix/qwix LoRA checkpoint as a GGUF LoRA adapter, applied at load time "
+        "to the base model's GGUF (convert to-gguf BASE). Names, reordered q/k rows and alpha as ggml's own "
+        "convert_lora_to_gguf.py writes them; an adapter whose modules' scales differ (rank or alpha patterns, "
+        "rsLoRA with several ranks) gets each scale folded into its B and alpha 0, so that it computes what it "
+        "computes in PEFT.",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or a Tunix/qwix Orbax LoRA "
+                    "checkpoint (local or gs://)")
+    sp.add_argument("dst", metavar="DST", help="GGUF file to create (e.g. adapter-f16.gguf)")
+    _base_option(sp)
+    sp.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="f32",
+                    help="stored type of the LoRA factors (default f32, as ggml's converter)")
+    sp.add_argument("--name", help="general.name (default: from the adapter directory's name)")
+    _orbax_lora_options(sp)
+    _revision_option(sp, "BASE")
+    _output_options(sp)
+    sp.set_defaults(func=cmd_adapter_to_gguf)
+
+
 def add_merge(sub) -> None:
     sp = sub.add_parser(
         "merge", help="merge a LoRA adapter into the base model", epilog=EPILOG,
@@ -609,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     conv = sub.add_parser("convert", help="convert a checkpoint", description="Convert a checkpoint.", epilog=EPILOG)
     csub = conv.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    for add in (add_s2o, add_o2s, add_o2p, add_p2o, add_to_gguf):
+    for add in (add_s2o, add_o2s, add_o2p, add_p2o, add_to_gguf, add_adapter_to_gguf):
         add(csub)
     add_merge(sub)
     add_quantize(sub)
@@ -637,6 +670,7 @@ INPUT_EXTRAS = {
     "merge": [("Orbax adapter", "orbax")],
     "convert to-gguf": [("Orbax checkpoint or adapter", "orbax")],
     "verify gguf": [("Orbax checkpoint or adapter", "orbax")],
+    "convert adapter-to-gguf": [("Orbax adapter", "orbax")],
     "inspect": [("Orbax checkpoint", "orbax")],
     "verify adapter": [("Orbax adapter", "orbax"), ("live and exact checks", "verify")],
 }

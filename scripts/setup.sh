@@ -6,7 +6,7 @@
 #   .venv-floor  every dependency at the floor pyproject.toml declares (requirements/floor.txt)
 #   .venv-serve-floor  vLLM's side of the serve extra at its floors (requirements/floor-serve.txt)
 #   .venv-quant  llm-compressor, the reference quantized outputs are compared with (requirements/quant.txt)
-#   build/ggml   ggml's converter (convert_hf_to_gguf.py, conversion/, gguf-py) from the llama-cpp-python
+#   build/ggml   ggml's converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/, gguf-py) from the llama-cpp-python
 #                sdist: the reference tests/test_gguf_export.py compares GGUF exports with (run, not installed)
 # Usage: scripts/setup.sh [--newest] [--ggml]
 #   --newest  also (re)build .venv-newest: the extras at the newest versions pip resolves today,
@@ -93,14 +93,15 @@ ensure_env .venv-quant quant_steps requirements/quant.txt requirements/quant.loc
 
 # ggml's converter, from the sdist of the llama-cpp-python release requirements/ggml.txt pins
 ggml_sdist="$(grep -o '^llama-cpp-python==[0-9.]*' requirements/ggml.txt)"
-ggml_stamp="build/ggml/.${ggml_sdist}"
+ggml_stamp="build/ggml/.${ggml_sdist}-lora"
 if [ ! -f "$ggml_stamp" ]; then
   echo "setup: unpacking ggml's converter from the $ggml_sdist sdist into build/ggml" >&2
   rm -rf build/ggml && mkdir -p build/ggml/sdist
   pip_quiet .venv/bin/python -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
     "$ggml_sdist" -d build/ggml/sdist
   tar xzf build/ggml/sdist/*.tar.gz -C build/ggml --strip-components=3 --wildcards \
-    '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' '*/vendor/llama.cpp/gguf-py'
+    '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/convert_lora_to_gguf.py' \
+    '*/vendor/llama.cpp/conversion' '*/vendor/llama.cpp/gguf-py'
   touch "$ggml_stamp"
 fi
 ggml_steps() {

@@ -224,3 +224,47 @@ def test_verify_gguf_finds_every_changed_tensor(checkpoints, wide, adapters, tmp
     assert proc.returncode == 6 and "blk.1.ffn_down.weight" in proc.stdout
     with pytest.raises(MismatchError, match="general.architecture is 'gemma3'"):
         verify_gguf(q8, checkpoints["llama3_tied"])
+
+
+def test_adapters_as_gguf_lora_are_ggmls_converters(checkpoints, adapters, tmp_path):
+    """``adapter-to-gguf`` of PEFT adapters with one scale (Qwen 3, Llama 3 with its q/k rows
+    reordered in B, Gemma 3) against ggml's ``convert_lora_to_gguf.py``: the same tensors, bytes and
+    alpha (the converter's other general.* keys come from PEFT's model card). Adapters whose
+    modules' scales differ (a PEFT rank/alpha pattern, a Tunix LoRA with kv at its own rank and
+    alpha) get each scale folded into B and alpha 0."""
+    from ckptbridge.gguf_adapter import convert_adapter_to_gguf
+    from ckptbridge.io.gguf import read_gguf
+    from ckptbridge.io.safetensors import SafetensorsFile
+
+    for name in ("qwen3_untied", "llama3_tied", "gemma3_text"):
+        base, peft = checkpoints[name], adapters[name].peft
+        ours, theirs = tmp_path / f"{name}.gguf", tmp_path / f"{name}.ref.gguf"
+        report = convert_adapter_to_gguf(peft, str(ours), base=base, progress=False)
+        assert not report.scales_folded and report.alpha == 10
+        proc = subprocess.run([sys.executable, os.path.join(CONVERTER, "convert_lora_to_gguf.py"), "--base", base,
+                               "--outfile", str(theirs), "--outtype", "f32", peft], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        a, b = read_gguf(str(ours)), read_gguf(str(theirs))
+        def kept(metadata):
+            return {k: v for k, v in metadata.items() if not k.startswith("general.") or k in (
+                "general.architecture", "general.type", "general.quantization_version")}
+
+        assert kept(a.metadata) == kept(b.metadata) and a.metadata["adapter.lora.alpha"] == 10
+        assert list(a.tensors) == list(b.tensors) and len(a.tensors) > 10
+        for t in a.tensors:
+            assert a.tensors[t].shape == b.tensors[t].shape and a.tensors[t].type == b.tensors[t].type, t
+            assert np.array_equal(a.array(t), b.array(t)), t
+    name = "keqv_lm_f32_sharded"  # PEFT rank and alpha patterns on down_proj; Tunix kv at rank 8, alpha 32
+    for kind, adapter in (("peft", adapters[name].peft), ("tunix", adapters[name].tunix)):
+        dst = tmp_path / f"{name}-{kind}.gguf"
+        report = convert_adapter_to_gguf(adapter, str(dst), base=checkpoints[name], progress=False)
+        f = read_gguf(str(dst))
+        assert report.scales_folded and f.metadata["adapter.lora.alpha"] == 0.0 and f.metadata["general.type"] == "adapter"
+    peft = adapters[name].peft
+    cfg = json.load(open(os.path.join(peft, "adapter_config.json")))
+    with SafetensorsFile(os.path.join(peft, "adapter_model.safetensors")) as st:
+        key = next(k for k in st.keys() if "layers.0.mlp.down_proj.lora_B" in k)
+        b_down = st.array(key).astype(np.float32)
+    scale = cfg["alpha_pattern"]["down_proj"] / cfg["rank_pattern"]["down_proj"]
+    got = read_gguf(str(tmp_path / f"{name}-peft.gguf")).array("blk.0.ffn_down.weight.lora_b")
+    assert np.array_equal(got, b_down * np.float32(scale))

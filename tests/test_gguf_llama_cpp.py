@@ -145,3 +145,46 @@ def test_ggml_computes_what_transformers_computes(checkpoints, wide, base_logits
     over = {k: v for k, v in errors.items()
             if v >= (GELU_F32_LIMIT if k.split(" ")[0] in GELU_ROWS and k.endswith(" f32") else LIMITS[k.rsplit(" ", 1)[1]])}
     assert not over, over
+
+
+def test_a_gguf_lora_on_its_base_is_the_merged_model(checkpoints, adapters, tmp_path):
+    """ggml applying our GGUF LoRA to the base's GGUF (f32) computes what it computes on the model
+    merged on the way and what PEFT (or Tunix) computes, NMSE < 1e-10: one-scale PEFT adapters (Qwen 3;
+    Llama 3, q/k rows reordered in B) and a PEFT adapter with rank and alpha patterns (scales folded
+    into B; Qwen 3). Gemma 4 (a PEFT pattern, a Tunix LoRA with kv at its own rank and alpha, both
+    folded): against the merged model only, NMSE < 1e-6, as ggml's float16 GELU table turns the last
+    bit of W x + s B (A x) against (W + s B A) x into a float16 step now and then."""
+    from ckptbridge.gguf_adapter import convert_adapter_to_gguf
+    from ckptbridge.gguf_export import convert_to_gguf
+    from ckptbridge.testing import build_peft_adapter
+    from ckptbridge.verify import peft_logits
+
+    patterned = build_peft_adapter(checkpoints["qwen3_untied"], str(tmp_path / "patterned"), r=4, lora_alpha=10,
+                                   seed=4, rank_pattern={"down_proj": 6}, alpha_pattern={"down_proj": 3})
+    cases = [("qwen3_untied", "peft"), ("llama3_tied", "peft"), ("qwen3_untied", "patterned"),
+             ("keqv_lm_f32_sharded", "peft"), ("keqv_lm_f32_sharded", "tunix")]
+    jobs, bases = [], {}
+    for name, kind in cases:
+        base = checkpoints[name]
+        adapter = patterned if kind == "patterned" else getattr(adapters[name], kind)
+        if name not in bases:
+            bases[name] = str(tmp_path / f"{name}.gguf")
+            convert_to_gguf(base, bases[name], outtype="f32", progress=False)
+        lora = str(tmp_path / f"{name}-{kind}.lora.gguf")
+        convert_adapter_to_gguf(adapter, lora, base=base, progress=False)
+        merged = str(tmp_path / f"{name}-{kind}.merged.gguf")
+        convert_to_gguf(base, merged, adapter=adapter, outtype="f32", progress=False)
+        jobs += [{"gguf": bases[name], "tokens": TOKENS.tolist(), "lora": lora},
+                 {"gguf": merged, "tokens": TOKENS.tolist()}]
+    got = _ggml(jobs, tmp_path)
+    errors = {}
+    for i, (name, kind) in enumerate(cases):
+        with_lora, merged = got[f"logits_{2 * i}"], got[f"logits_{2 * i + 1}"]
+        errors[f"{name} {kind}: LoRA vs merged"] = _nmse(with_lora, merged)
+        if name not in GELU_ROWS:
+            ref = (peft_logits(checkpoints[name], patterned, TOKENS) if kind == "patterned" else
+                   adapters[name].peft_logits if kind == "peft" else adapters[name].tunix_logits)
+            errors[f"{name} {kind}: LoRA vs {'peft' if kind == 'patterned' else kind}"] = _nmse(with_lora, ref)
+    print(json.dumps(errors, indent=1))
+    over = {k: v for k, v in errors.items() if v >= (1e-6 if k.split(" ")[0] in GELU_ROWS else 1e-10)}
+    assert not over, over
