@@ -4,7 +4,8 @@
 #   ./test.sh --floor [ARGS]      the suite in .venv-floor (every dependency at the floor pyproject.toml
 #                                 declares), vLLM from .venv-serve-floor; without the main job and the
 #                                 per-family serving runs (the code paths the other tests take, one vLLM
-#                                 start each), nor the tests that build environments of their own
+#                                 start each), the tests that build environments of their own, and the
+#                                 comparisons with ggml's converters
 #   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, which
 #                                 scripts/setup.sh --newest builds anew)
 #   ./test.sh --lint              ruff (ckptbridge/, configured in pyproject.toml) and mypy (ckptbridge/)
@@ -29,8 +30,11 @@ if [ "$venv" != .venv ]; then
   # test_gcs: the GCS emulator drops aiohttp 3.9.0's kept-alive connections now and then ("Server
   # disconnected", out of gcsfs's retries; one CI run in two); at the floors it is run by hand:
   # ./test.sh --floor tests/test_gcs.py
+  # test_gguf_export: ggml's converters (run with the environment's torch and transformers) against our
+  # files, at the pinned versions; at the floors test_gguf.py covers the GGUF reader, writer and Q8_0.
   select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py --ignore=tests/test_quantize_reference.py
-          --ignore=tests/test_packaging.py --ignore=tests/test_environments.py --ignore=tests/test_gcs.py)
+          --ignore=tests/test_packaging.py --ignore=tests/test_environments.py --ignore=tests/test_gcs.py
+          --ignore=tests/test_gguf_export.py)
 fi
 scripts/setup.sh
 if [ ! -x "$venv/bin/python" ]; then
