@@ -415,6 +415,14 @@ def add_p2o(csub) -> None:
     sp.set_defaults(extra="orbax", func=cmd_p2o)
 
 
+def _gguf_options(sp, default: str, what: str, named_after: str) -> None:
+    """--outtype and --name of a verb that writes GGUF."""
+    sp.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default=default,
+                    help=f"stored type of the {what}")
+    sp.add_argument("--name", help=f"general.name (default: from the {named_after} directory's name, as ggml's "
+                    "converter)")
+
+
 def add_to_gguf(csub) -> None:
     sp = csub.add_parser(
         "to-gguf", help="model (HF, Orbax, or base + LoRA) -> GGUF file for ggml's runtimes (Ollama, LM Studio)",
@@ -431,11 +439,9 @@ def add_to_gguf(csub) -> None:
     sp.add_argument("dst", metavar="DST", help="GGUF file to create (e.g. model-Q8_0.gguf)")
     sp.add_argument("--adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or a Tunix/qwix Orbax "
                     "LoRA checkpoint, merged into SRC (an HF directory) on the way")
-    sp.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="bf16",
-                    help="stored type of the weights (default bf16: the source's bits for bf16 models)")
+    _gguf_options(sp, "bf16", "weights (default bf16: the source's bits for bf16 models)", "source")
     sp.add_argument("--no-tokenizer", action="store_true",
                     help="leave the tokenizer out (ggml's runtimes then need it from elsewhere)")
-    sp.add_argument("--name", help="general.name (default: from the source directory's name, as ggml's converter)")
     _orbax_lora_options(sp)
     _parallel_options(sp, "read, merge and quantize row blocks ahead of the writer")
     _revision_option(sp, "SRC")
@@ -457,9 +463,7 @@ def add_adapter_to_gguf(csub) -> None:
                     "checkpoint (local or gs://)")
     sp.add_argument("dst", metavar="DST", help="GGUF file to create (e.g. adapter-f16.gguf)")
     _base_option(sp)
-    sp.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="f32",
-                    help="stored type of the LoRA factors (default f32, as ggml's converter)")
-    sp.add_argument("--name", help="general.name (default: from the adapter directory's name)")
+    _gguf_options(sp, "f32", "LoRA factors (default f32, as ggml's converter)", "adapter")
     _orbax_lora_options(sp)
     _revision_option(sp, "BASE")
     _output_options(sp)
