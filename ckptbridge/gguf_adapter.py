@@ -4,8 +4,9 @@ a GGUF LoRA adapter, which ggml's runtimes apply to the base model's GGUF file a
 
 A GGUF LoRA holds ``<tensor>.lora_a`` (PEFT's A, ``(rank, in)``) and ``<tensor>.lora_b`` (B,
 ``(out, rank)``) per adapted tensor of the base, under the base's GGUF names and with ggml's value
-changes (q/k rows reordered in B where the family's GGUF form rotates interleaved pairs), and one ``adapter.lora.alpha``: ggml scales each delta
-by alpha / rank with the rank read from B, and by 1 when alpha is 0. Where every module's PEFT
+changes (q/k rows reordered in B where the family's GGUF form rotates interleaved pairs), and one
+``adapter.lora.alpha``: ggml scales each delta by alpha / rank with the rank read from B, and by 1
+when alpha is 0. Where every module's PEFT
 scale times its rank is the same number, that number is the alpha (the file ggml's own
 ``convert_lora_to_gguf.py`` writes for such adapters); where it is not (per-module ranks or
 alphas, rsLoRA with several ranks), each module's scale is folded into its B and alpha is 0, so
