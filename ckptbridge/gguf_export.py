@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from ckptbridge.io import gguf, storage
 from ckptbridge.io.atomic import check_destination
 from ckptbridge.io.gguf_tokenizer import tokenizer_metadata
 from ckptbridge.io.hf import HFModelDir
+from ckptbridge.merge import Deltas, collect_deltas, float32_factors, merged_rows
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import ASSETS_DIR, is_hf_directory, open_hf_source, open_orbax_source
@@ -193,35 +195,41 @@ def _finish(t: _Tensor, values: np.ndarray, src_dtype: np.dtype) -> np.ndarray:
 
 class _HFRows:
     """Rows of an HF directory's tensors as the export reads them, with LoRA deltas added where an
-    adapter has them (the merge's own block arithmetic)."""
+    adapter has them (the merge's own block arithmetic; a tensor's float32 factors made when its
+    jobs are reached)."""
 
-    def __init__(self, model: HFModelDir, deltas: dict):
-        self.model, self.deltas = model, deltas
+    def __init__(self, model: HFModelDir, deltas: Deltas, block_bytes: int):
+        self.model, self.deltas, self.block_bytes = model, deltas, block_bytes
 
-    def rows(self, key: str, start: int, stop: int) -> np.ndarray:
-        from ckptbridge.merge import merged_rows
+    def _per(self, t: _Tensor) -> int:
+        return max(1, self.block_bytes // (4 * (t.hf_shape[-1] if t.hf_shape else 1)))
 
-        return merged_rows(self.model, key, self.deltas.get(key, ()), start, stop)
-
-    def jobs(self, t: _Tensor, block_bytes: int) -> Iterator[tuple[int, Callable]]:
-        cols = t.hf_shape[-1] if t.hf_shape else 1
-        n_rows = math.prod(t.hf_shape[:-1]) if len(t.hf_shape) > 1 else 1
+    def count(self, t: _Tensor) -> int:
+        """How many pieces :meth:`jobs` makes of ``t``."""
         if t.whole:
-            yield 4 * math.prod(t.shape), functools.partial(self._whole, t)
+            return 1
+        return len(t.keys) * math.ceil(math.prod(t.hf_shape[:-1]) / self._per(t))
+
+    def jobs(self, t: _Tensor) -> Iterator[tuple[int, Callable]]:
+        if t.whole:
+            factors = float32_factors(self.deltas.get(t.keys[0], []))
+            yield 4 * math.prod(t.shape), functools.partial(self._whole, t, factors)
             return
-        per = max(1, block_bytes // (4 * cols))
+        cols, n_rows, per = t.hf_shape[-1], math.prod(t.hf_shape[:-1]), self._per(t)
         for key in t.keys:
+            factors = float32_factors(self.deltas.get(key, []))
             for start in range(0, n_rows, per):
                 stop = min(start + per, n_rows)
-                yield 4 * (stop - start) * cols, functools.partial(self._block, t, key, start, stop)
+                yield 4 * (stop - start) * cols, functools.partial(self._block, t, key, factors, start, stop)
 
-    def _whole(self, t: _Tensor) -> list:
+    def _whole(self, t: _Tensor, factors: list) -> list:
         key = t.keys[0]
-        values = self.model.array(key) if key not in self.deltas else self.rows(key, 0, math.prod(t.hf_shape[:-1]))
+        values = (merged_rows(self.model, key, factors, 0, math.prod(t.hf_shape[:-1])) if factors
+                  else self.model.array(key))
         return [(t.name, _finish(t, values.reshape(t.hf_shape), values.dtype))]
 
-    def _block(self, t: _Tensor, key: str, start: int, stop: int) -> list:
-        rows = self.rows(key, start, stop)
+    def _block(self, t: _Tensor, key: str, factors: list, start: int, stop: int) -> list:
+        rows = merged_rows(self.model, key, factors, start, stop)
         return [(t.name, _finish(t, rows, rows.dtype))]
 
 
@@ -320,24 +328,15 @@ def _open(src: str, adapter: str | None, type_of: Callable[[str, tuple[int, ...]
             cfg = source.cfg
             model = stack.enter_context(HFModelDir(src))
             engine = stack.enter_context(parallel.engine(name))
-            deltas: dict = {}
+            deltas: Deltas = {}
             if adapter is not None:
                 ad = stack.enter_context(lora.open_adapter(adapter, lora.open_base(src), step=step, alpha=alpha,
                                                            engine=engine))
-                for key, row, scale, (a, b) in lora.hf_deltas(ad):
-                    if key not in model:
-                        raise MismatchError(f"{adapter}: LoRA for {key}, which the base {src} does not have")
-                    deltas.setdefault(key, []).append((row, np.asarray(a, np.float32),
-                                                       np.asarray(b, np.float32) * np.float32(scale)))
-            reader = _HFRows(model, deltas)
-            block_bytes = min(BLOCK_BYTES, engine.budget.limit // 2)
-            counts: dict[str, int] = {}
-            jobs: list = []
-            for t in tensors:
-                tensor_jobs = list(reader.jobs(t, block_bytes))
-                counts[t.name] = len(tensor_jobs)
-                jobs += tensor_jobs
-            yield _Opened(cfg, spec_gguf, h, tensors, Parts(engine.stream(jobs)), counts, src)
+                deltas = collect_deltas(model, ad, adapter)
+            reader = _HFRows(model, deltas, min(BLOCK_BYTES, engine.budget.limit // 2))
+            jobs = itertools.chain.from_iterable(reader.jobs(t) for t in tensors)  # taken as the budget allows
+            yield _Opened(cfg, spec_gguf, h, tensors, Parts(engine.stream(jobs)),
+                          {t.name: reader.count(t) for t in tensors}, src)
         else:
             orbax = stack.enter_context(open_orbax_source(src, step=step))
             spec_gguf, h = _family(orbax.cfg, src)

@@ -51,6 +51,26 @@ def _merged_block(model: HFModelDir, key: str, factors: list[tuple[int, np.ndarr
     return merged.astype(numpy_dtype(model.info(key).dtype))
 
 
+Deltas = dict[str, list[tuple[int, float, np.ndarray, np.ndarray]]]  # HF key -> (first row, scale, A, B) each
+
+
+def collect_deltas(model: HFModelDir, ad, adapter: str) -> Deltas:
+    """Every LoRA delta of the opened adapter ``ad`` by the base tensor it adds to (factors as
+    stored; a key the base lacks is a one-line MismatchError)."""
+    deltas: Deltas = {}
+    for key, row, scale, (a, b) in lora.hf_deltas(ad):
+        if key not in model:
+            raise MismatchError(f"{adapter}: LoRA for {key}, which the base {model.path} does not have")
+        deltas.setdefault(key, []).append((row, scale, np.array(a), np.array(b)))
+    return deltas
+
+
+def float32_factors(deltas: list[tuple[int, float, np.ndarray, np.ndarray]]) -> list:
+    """One tensor's deltas as the block arithmetic takes them: ``(first row, float32 A, float32 scale * B)``
+    (made when the tensor's first block is planned, not for every tensor at once)."""
+    return [(row, a.astype(np.float32), b.astype(np.float32) * np.float32(scale)) for row, scale, a, b in deltas]
+
+
 def merged_rows(model: HFModelDir, key: str, factors, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of ``key`` (as a matrix of its last axis) with the deltas ``factors``
     (``(first row, float32 A, float32 scale * B)``) added as the merge adds them; as stored without."""
@@ -69,7 +89,7 @@ def _block(model: HFModelDir, key: str, factors: list, start: int, stop: int, sc
     return quantize_weight(rows, scheme, key) if scheme is not None else rows
 
 
-def _jobs(model: HFModelDir, deltas: dict, plan: Plan | None, block_bytes: int) -> Iterator[Job]:
+def _jobs(model: HFModelDir, deltas: Deltas, plan: Plan | None, block_bytes: int) -> Iterator[Job]:
     """The computed row blocks of every LoRA target and quantized weight in write order, each job
     holding its float32 block; a target's float32 factors are made when its first block is started."""
     quantized = set(plan.weights) if plan else set()
@@ -79,8 +99,7 @@ def _jobs(model: HFModelDir, deltas: dict, plan: Plan | None, block_bytes: int) 
         info = model.info(key)
         out_dim, in_dim = math.prod(info.shape[:-1]), info.shape[-1]  # (e, out, in): experts' rows in turn
         rows = _rows_per_block(model, key, block_bytes)
-        factors = [(row, a.astype(np.float32), b.astype(np.float32) * np.float32(scale))
-                   for row, scale, a, b in deltas.get(key, ())]
+        factors = float32_factors(deltas.get(key, []))
         scheme = plan.scheme if plan is not None and key in quantized else None
         for start in range(0, out_dim, rows):
             stop = min(start + rows, out_dim)
@@ -233,11 +252,7 @@ def _merge(model: HFModelDir, b: lora.Base, ad, adapter: str, engine, dst: str, 
            step: int | None, base_id: str | None, shard_bytes: int, overwrite: bool, progress: bool | None,
            t0: float) -> MergeReport:
     base = model.path
-    deltas: dict[str, list[tuple[int, float, np.ndarray, np.ndarray]]] = {}
-    for key, row, scale, (a, b_) in lora.hf_deltas(ad):
-        if key not in model:
-            raise MismatchError(f"{adapter}: LoRA for {key}, which the base {base} does not have")
-        deltas.setdefault(key, []).append((row, scale, np.array(a), np.array(b_)))
+    deltas = collect_deltas(model, ad, adapter)
     card = model_card.merged_card(base_id=model_card.hub_id(base, base_id), base_path=base, adapter=adapter,
                                   adapter_id=model_card.hub_id(adapter) if os.path.isdir(adapter) else None,
                                   step=step, family=b.spec.name, merged_tensors=len(deltas),
