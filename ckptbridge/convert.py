@@ -96,6 +96,13 @@ class OrbaxToSafetensorsReport(ConversionReport):
         return self._head(self.seconds) + q + f"\n  files: {', '.join(self.files)}"
 
 
+# What a piece of safetensors-to-orbax or orbax-to-safetensors holds at its peak, in bytes per byte
+# of it, for the memory budget: the piece and TensorStore's encoded copy of it while it is stored
+# (s2o), or the chunk TensorStore decoded it from while it is rearranged (o2s). Counting one would
+# let twice the pieces start, and peak RSS grow with the workers past the budget.
+HELD_PER_BYTE = 2
+
+
 def _per_block(blocks: mapping.Blocks, nbytes: int, chunk_bytes: int) -> int:
     """Indices of ``blocks.axis`` per block of at most ``chunk_bytes`` (at least one)."""
     return max(1, chunk_bytes // max(1, nbytes // blocks.count))
@@ -110,11 +117,13 @@ def _leaf(source: HFSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.Lazy
     nbytes = int(np.prod(e.tunix_shape, dtype=np.int64)) * dtype.itemsize
     blocks = mapping.blocks(e)
     if blocks is None or nbytes <= chunk_bytes:
-        return orbax_io.LazyArray(e.tunix_shape, dtype, produce=functools.partial(source.tunix_value, e))
+        return orbax_io.LazyArray(e.tunix_shape, dtype, produce=functools.partial(source.tunix_value, e),
+                                  held=HELD_PER_BYTE)
     per = _per_block(blocks, nbytes, chunk_bytes)
     pieces = [(blocks.tunix_region(i, j), functools.partial(source.tunix_block, blocks, i, j))
               for i, j in blocks.ranges(per)]
-    return orbax_io.LazyArray(e.tunix_shape, dtype, chunks=blocks.tunix_block_shape(per), pieces=pieces)
+    return orbax_io.LazyArray(e.tunix_shape, dtype, chunks=blocks.tunix_block_shape(per), pieces=pieces,
+                              held=HELD_PER_BYTE)
 
 
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
@@ -195,8 +204,9 @@ def _o2s_jobs(source: OrbaxSource, e: mapping.Entry, chunk_bytes: int) -> tuple[
     blocks = mapping.blocks(e) if nbytes > chunk_bytes else None
     ranges = source.block_ranges(blocks, chunk_bytes) if blocks is not None else None
     if blocks is None or ranges is None or len(ranges) < 2:
-        return [(nbytes, functools.partial(_whole_parts, source, e))], dict.fromkeys(e.hf_keys, 1)
-    jobs: list[Job] = [(nbytes * (j - i) // blocks.count, functools.partial(_box_parts, source, blocks, i, j))
+        return [(HELD_PER_BYTE * nbytes, functools.partial(_whole_parts, source, e))], dict.fromkeys(e.hf_keys, 1)
+    jobs: list[Job] = [(HELD_PER_BYTE * nbytes * (j - i) // blocks.count,
+                        functools.partial(_box_parts, source, blocks, i, j))
                        for i, j in ranges]
     return jobs, ({e.hf_keys[0]: len(ranges)} if not blocks.keyed else dict.fromkeys(e.hf_keys, 1))
 

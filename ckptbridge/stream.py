@@ -90,19 +90,19 @@ class Budget:
 class Engine:
     """``workers`` threads and one byte :class:`Budget` for the streams of one conversion.
 
-    With ``return_freed_memory`` (the default), memory the workers free goes back to the system
-    (:mod:`ckptbridge.malloc`, process-wide), so that peak RSS follows the budget at any worker
-    count. Use as a context manager; leaving it (normally or by an exception) cancels the jobs not
-    started and joins every thread."""
+    With ``reuse_freed_memory`` (the default), memory any thread frees is reused by the others
+    instead of faulted in afresh (:mod:`ckptbridge.malloc`, process-wide), so that peak RSS follows
+    the budget at any worker count. Use as a context manager; leaving it (normally or by an
+    exception) cancels the jobs not started and joins every thread."""
 
     def __init__(self, workers: int | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-                 name: str = "ckptbridge", return_freed_memory: bool = True):
+                 name: str = "ckptbridge", reuse_freed_memory: bool = True):
         self.workers = usable_cores() if workers is None else int(workers)
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
         self.budget = Budget(memory_budget)
-        if return_freed_memory:  # else each worker's arena keeps pieces past the budget (ckptbridge.malloc)
-            malloc.return_freed_memory()
+        if reuse_freed_memory:  # else each worker's arena keeps pieces past the budget (ckptbridge.malloc)
+            malloc.reuse_freed_memory()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=name)
         self._streams: list[Stream] = []
         self._closed = False

@@ -308,7 +308,7 @@ class TunixModelPlan:
             try:
                 # the allocator left as it is: a training process's own (XLA's) large buffers would
                 # otherwise be mapped afresh at every step
-                with stream.Engine(workers, budget, name="load", return_freed_memory=False) as engine:
+                with stream.Engine(workers, budget, name="load", reuse_freed_memory=False) as engine:
                     for e, size, placed in zip(entries, sizes, engine.stream(
                             [(size, functools.partial(place, e)) for e, size in zip(entries, sizes)])):
                         _assign(pure, e.tunix_path, placed)

@@ -62,15 +62,17 @@ class LazyArray:
     list of ``(region, make)`` covering the array, each region a whole chunk of shape ``chunks``
     (the last ones cut by the array's edge) and ``make()`` its values. Pieces are made on the
     workers of a :class:`~ckptbridge.stream.Engine` ahead of the writer, within its memory
-    budget. ``on_written(nbytes)`` is called as bytes are stored."""
+    budget, each counted as ``held`` times its bytes (what it holds at its peak: with TensorStore's
+    encoded copy of it, 2). ``on_written(nbytes)`` is called as bytes are stored."""
 
     def __init__(self, shape: Iterable[int], dtype, produce: Callable[[], np.ndarray] | None = None,
                  on_written: Callable[[int], None] | None = None, *,
                  chunks: tuple[int, ...] | None = None,
-                 pieces: Sequence[tuple[Region, Callable[[], np.ndarray]]] | None = None):
+                 pieces: Sequence[tuple[Region, Callable[[], np.ndarray]]] | None = None, held: int = 1):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.on_written = on_written
+        self.held = held
         self.chunks = tuple(int(c) for c in chunks) if chunks is not None else None
         if (produce is None) == (pieces is None) or (pieces is None) != (chunks is None):
             raise ValueError("a LazyArray needs produce, or pieces with chunks")
@@ -108,9 +110,9 @@ class LazyArray:
         return self
 
     def jobs(self) -> Iterator[tuple[int, Callable[[], np.ndarray]]]:
-        """``(nbytes, make)`` of each piece, in order, for a stream."""
+        """``(bytes held, make)`` of each piece, in order, for a stream."""
         for region, make in self.pieces:
-            yield self.region_bytes(region), make
+            yield self.held * self.region_bytes(region), make
 
     def checked(self, region: Region, arr) -> np.ndarray:
         """``arr`` as the contiguous values of ``region``, or a ValueError naming the mismatch."""
