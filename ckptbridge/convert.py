@@ -141,7 +141,8 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     ``compression=False`` stores the chunks without zstd (faster, larger). Blocks are read and
     rearranged on ``workers`` threads (default: the usable cores, at most 4) while TensorStore encodes and
     writes earlier ones, with at most ``memory_budget`` bytes of them (default 256 MiB) made and
-    not yet stored; the checkpoint does not depend on either. ``src`` may be a Hub id
+    not yet stored, each counted twice (:data:`HELD_PER_BYTE`: with TensorStore's encoded copy);
+    the checkpoint does not depend on either. ``src`` may be a Hub id
     (``revision``: its branch, tag or commit).
     """
     t0 = time.perf_counter()
@@ -222,8 +223,9 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
     than ``chunk_size`` is read, rearranged and written in boxes of about that size (whole
     stored chunks, so memory follows the checkpoint's chunk size, not its largest tensor). Leaves
     and boxes are read, decoded and rearranged on ``workers`` threads (default: the usable cores, at most 4)
-    ahead of the writer, holding at most ``memory_budget`` bytes of them (default 256 MiB); the
-    files written do not depend on either. ``quantize`` (``"int8"`` or ``"fp8"``): the decoder's
+    ahead of the writer, holding at most ``memory_budget`` bytes of them (default 256 MiB), each
+    counted twice (:data:`HELD_PER_BYTE`: with the chunk TensorStore decoded it from); the files
+    written do not depend on either. ``quantize`` (``"int8"`` or ``"fp8"``): the decoder's
     linear projections are written quantized in the same pass, as ``ckptbridge quantize`` writes them."""
     t0 = time.perf_counter()
     scheme = quantization.get_scheme(quantize, "quantize (--quantize)") if quantize is not None else None
