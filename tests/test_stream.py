@@ -211,11 +211,13 @@ def test_default_workers_of_the_codec_verbs_are_capped(monkeypatch):
     assert Parallelism.of(None, default_cap=stream.CODEC_VERB_WORKERS).workers == 2
 
 
-def test_freed_memory_is_reused_on_glibc():
-    """The engine sets glibc's arenas and thresholds (ckptbridge.malloc): a 24 MiB block freed by one
-    thread is reused by the next without faulting its pages in again (8 fresh blocks: 4200 page
-    faults with the mapping threshold at 8 MiB, 530 with an arena per thread; 14 with the
-    settings). Fails if mallopt goes away or the settings stop taking effect."""
+@pytest.mark.parametrize("setup", ["with stream.Engine(2, 1 << 20):\n    pass", "stream.Parallelism.of(2)"])
+def test_freed_memory_is_reused_on_glibc(setup):
+    """An engine, and a verb's Parallelism before it opens its sources, set glibc's arenas and
+    thresholds (ckptbridge.malloc): a 24 MiB block freed by one thread is reused by the next
+    without faulting its pages in again (8 fresh blocks: 4200 page faults with the mapping
+    threshold at 8 MiB, 530 with an arena per thread; 14 with the settings). Fails if mallopt
+    goes away or the settings stop taking effect."""
     import platform
 
     from ckptbridge import malloc
@@ -225,8 +227,7 @@ def test_freed_memory_is_reused_on_glibc():
     code = """
 import resource, threading, numpy as np
 from ckptbridge import stream
-with stream.Engine(2, 1 << 20):
-    pass
+SETUP
 def fill():
     a = np.empty(24 << 20, np.uint8)
     a[:] = 1
@@ -241,7 +242,8 @@ run(8)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code.replace("SETUP", setup)], env=env, capture_output=True,
+                         text=True, check=True)
     assert int(out.stdout.split()[-1]) < 40, out.stdout
     assert malloc.reuse_freed_memory() is True
 
