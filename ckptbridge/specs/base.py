@@ -222,6 +222,8 @@ class FamilySpec:
         tensors with an ``e`` axis are its experts, of which ``top_k`` run per token.
       gguf: model type -> its :class:`ckptbridge.specs.ggml.GGUFSpec` (how ggml names and computes
         it); a model type without one has no GGUF export.
+      maxtext: its :class:`ckptbridge.specs.maxtext.MaxTextSpec` (MaxText's names and layouts of
+        the rows); None: no MaxText layout.
       vocab_axes: axes of tables read by token id (embeddings, an untied head's rows): a tensor
         with one is no matmul of the layers (model FLOP counts).
     """
@@ -243,6 +245,7 @@ class FamilySpec:
     experts: Callable[[Any], Any] | None = None
     vocab_axes: tuple[str, ...] = ("v",)
     gguf: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    maxtext: Any = None
 
     def __post_init__(self) -> None:
         """Check the table against the family's own vocabulary (a programming error, at import)."""

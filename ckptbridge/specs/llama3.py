@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptbridge.specs import dfirst, ggml
+from ckptbridge.specs import dfirst, ggml, maxtext
 from ckptbridge.specs.base import FamilySpec, ModelType
 
 DENSE = dfirst.Dense("llama3", "llama", {
@@ -51,5 +51,5 @@ LLAMA3 = FamilySpec(
     rules=dfirst.rules(), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
     tunix=TUNIX, experts=dfirst.experts,
-    vllm_tiny=VLLM_DIMS, gguf={"llama": GGUF},
+    vllm_tiny=VLLM_DIMS, gguf={"llama": GGUF}, maxtext=maxtext.DFIRST,
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptbridge.specs import dfirst, ggml
+from ckptbridge.specs import dfirst, ggml, maxtext
 from ckptbridge.specs.base import FamilySpec, ModelType
 
 DENSE = dfirst.Dense("qwen2", "qwen2", {
@@ -38,4 +38,5 @@ QWEN2 = FamilySpec(
     tunix=TUNIX, experts=dfirst.experts,
     vllm_tiny=VLLM_DIMS,
     gguf={"qwen2": ggml.GGUFSpec(arch="qwen2", names=ggml.COMMON_NAMES, metadata=ggml.base_metadata)},
+    maxtext=maxtext.DFIRST,
 )

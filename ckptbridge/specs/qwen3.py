@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptbridge.config import ModelConfig
-from ckptbridge.specs import dfirst, ggml
+from ckptbridge.specs import dfirst, ggml, maxtext
 from ckptbridge.specs.base import FamilySpec, ModelType
 
 RULES = dfirst.rules(qk_norm=True, moe=True)
@@ -103,4 +103,5 @@ QWEN3 = FamilySpec(
     vllm_tiny=VLLM_DIMS,
     peft_params=dfirst.EXPERT_PARAMS,
     gguf=GGUF,
+    maxtext=maxtext.DFIRST,
 )
