@@ -342,6 +342,14 @@ def stacked_shape(value: HfValue, slice_shape: Shape, cfg: types.SimpleNamespace
 # to_maxtext.py, copied: how HF tensors are hooked and stacked into one MaxText tensor
 
 
+def _source(key: Any, tensor_getter: Callable) -> Any:
+    """The HF tensor of ``key``, or a tuple of the tensors of a tuple of keys (a hook that fuses
+    several, as to_maxtext's loaders read them)."""
+    if isinstance(key, (list, tuple)):
+        return tuple(tensor_getter(k) for k in key)
+    return tensor_getter(key)
+
+
 class ToMaxText:
     def __init__(self, apply_hook_fns: Callable[..., Any], cfg: types.SimpleNamespace) -> None:
         self.apply_hook_fns = apply_hook_fns
@@ -360,11 +368,8 @@ class ToMaxText:
         for inner_keys in hf_source_keys:
             inner_tensors = []
             for hf_key_single in inner_keys:
-                if isinstance(hf_key_single, (list, tuple)):
-                    hf_tensor_numpy = tuple(tensor_getter_fn(k) for k in hf_key_single)
-                else:
-                    hf_tensor_numpy = tensor_getter_fn(hf_key_single)
-                inner_tensors.append(self.apply_hook_fns(hf_tensor_numpy, mt_slice_shape, hook_fns))
+                inner_tensors.append(self.apply_hook_fns(_source(hf_key_single, tensor_getter_fn), mt_slice_shape,
+                                                         hook_fns))
             all_outer_tensors.append(np.stack(inner_tensors, axis=0))
         stacked = np.stack(all_outer_tensors, axis=0)
         if (outer_axis, inner_axis) != (0, 1):
@@ -380,21 +385,15 @@ class ToMaxText:
         mt_slice_shape = tuple(mt_slice_shape_list)
         tensors_to_stack = []
         for hf_key_single in hf_source_keys:
-            if isinstance(hf_key_single, (list, tuple)):
-                hf_tensor_numpy = tuple(tensor_getter_fn(k) for k in hf_key_single)
-            else:
-                hf_tensor_numpy = tensor_getter_fn(hf_key_single)
-            tensors_to_stack.append(self.apply_hook_fns(hf_tensor_numpy, mt_slice_shape, hook_fns))
+            tensors_to_stack.append(self.apply_hook_fns(_source(hf_key_single, tensor_getter_fn), mt_slice_shape,
+                                                        hook_fns))
         return np.stack(tensors_to_stack, axis=axis_to_stack)
 
     def load(self, hf_source_keys_or_key: HfValue, tensor_getter: Callable, hook_fn: Any, target_shape: Shape,
              mt_key: str) -> np.ndarray:
         """to_maxtext._get_hf_loading_function, called at once (eager mode)"""
         if not isinstance(hf_source_keys_or_key, list):
-            key = hf_source_keys_or_key
-            if isinstance(key, (list, tuple)):
-                return self.apply_hook_fns(tuple(tensor_getter(k) for k in key), target_shape, hook_fn)
-            return self.apply_hook_fns(tensor_getter(key), target_shape, hook_fn)
+            return self.apply_hook_fns(_source(hf_source_keys_or_key, tensor_getter), target_shape, hook_fn)
         if not isinstance(hf_source_keys_or_key[0], list):
             return self.build_single_axis_stacked_tensor(hf_source_keys_or_key, tensor_getter, hook_fn, target_shape)
         return self.build_multi_axis_stacked_tensor(hf_source_keys_or_key, tensor_getter, hook_fn, target_shape,
