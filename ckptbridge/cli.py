@@ -4,6 +4,8 @@
     ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB] [--quantize int8|fp8]
     ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
+    ckptbridge convert safetensors-to-maxtext SRC DST [--scan-layers]
+    ckptbridge convert maxtext-to-safetensors SRC DST [--config HF_CONFIG]
     ckptbridge convert to-gguf SRC DST.gguf [--adapter ADAPTER] [--outtype f32|f16|bf16|q8_0]
     ckptbridge convert adapter-to-gguf ADAPTER DST.gguf --base BASE [--outtype f32|f16|bf16|q8_0]
     ckptbridge merge BASE ADAPTER DST [--quantize int8|fp8]
@@ -120,6 +122,27 @@ def cmd_o2s(args) -> int:
                                              max_shard_size=_size(args, "max_shard_size"), step=args.step,
                                              overwrite=args.overwrite, chunk_size=_size(args, "chunk_size"),
                                              **_parallel(args), progress=_progress(args), quantize=args.quantize))
+    return 0
+
+
+def cmd_s2m(args) -> int:
+    from ckptbridge.maxtext import convert_safetensors_to_maxtext
+
+    _emit(args, convert_safetensors_to_maxtext(args.src, args.dst, scan_layers=args.scan_layers,
+                                               overwrite=args.overwrite, skip_multimodal=args.skip_multimodal,
+                                               chunk_size=_size(args, "chunk_size"),
+                                               compression=not args.no_compression, **_parallel(args),
+                                               progress=_progress(args), revision=args.revision))
+    return 0
+
+
+def cmd_m2s(args) -> int:
+    from ckptbridge.maxtext import convert_maxtext_to_safetensors
+
+    _emit(args, convert_maxtext_to_safetensors(args.src, args.dst, config=args.config, step=args.step,
+                                               max_shard_size=_size(args, "max_shard_size"),
+                                               overwrite=args.overwrite, chunk_size=_size(args, "chunk_size"),
+                                               **_parallel(args), progress=_progress(args)))
     return 0
 
 
@@ -371,6 +394,55 @@ def add_o2s(csub) -> None:
     _parallel_options(sp, "read, decode and rearrange leaves and blocks ahead of the writer", CODEC_VERB_WORKERS)
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_o2s)
+
+
+def add_s2m(csub) -> None:
+    sp = csub.add_parser(
+        "safetensors-to-maxtext", help="HF model directory -> MaxText checkpoint",
+        description="Convert an HF model directory into a MaxText checkpoint (DST/0/items: what MaxText's "
+        "to_maxtext writes for the same model, with its value transforms, in the source dtype), streaming. "
+        "Load it in MaxText with load_parameters_path=DST/0/items and the same scan_layers. Families: "
+        "see docs/maxtext.md.",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="SRC", help="HF model directory or Hub id (ORG/NAME)")
+    sp.add_argument("dst", metavar="DST", help="MaxText checkpoint directory to create (local or gs://BUCKET/PATH)")
+    sp.add_argument("--scan-layers", action="store_true",
+                    help="stack the layers on axis 1, for MaxText's scan_layers=true (default: decoder/layers_{i}, "
+                    "for scan_layers=false)")
+    sp.add_argument("--skip-multimodal", action="store_true",
+                    help="convert the text model of a checkpoint that has vision/audio towers and drop the towers")
+    _chunk_size_option(sp, "a tensor larger than this is converted and stored in row blocks of at most this size; "
+                           "a scanned tensor is stored one layer per chunk")
+    sp.add_argument("--no-compression", action="store_true",
+                    help="store the chunks without zstd: faster to write and read, larger on disk (MaxText reads both)")
+    _parallel_options(sp, "read, rearrange and transform pieces while TensorStore encodes and writes earlier ones",
+                      CODEC_VERB_WORKERS)
+    _revision_option(sp, "SRC")
+    _output_options(sp)
+    sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_s2m)
+
+
+def add_m2s(csub) -> None:
+    sp = csub.add_parser(
+        "maxtext-to-safetensors", help="MaxText checkpoint -> HF model directory",
+        description="Convert a MaxText checkpoint (scanned or not; Linen items or NNX SFT model_params) into an "
+        "HF model directory, undoing MaxText's value transforms as its to_huggingface does, streaming.",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="SRC", help="MaxText checkpoint: a run's checkpoint directory, a step, or its "
+                    "items / model_params (local or gs://BUCKET/PATH)")
+    sp.add_argument("dst", metavar="DST", help="HF model directory to create")
+    sp.add_argument("--config", metavar="HF_CONFIG",
+                    help="the model's HF config.json (or its directory), needed unless ckptbridge wrote the "
+                    "checkpoint; non-weight files beside it are copied too")
+    _max_shard_size_option(sp)
+    _step_option(sp)
+    _chunk_size_option(sp, "a tensor larger than this is read, rearranged and written in blocks of about this size "
+                           "(whole stored chunks)")
+    _parallel_options(sp, "read, decode and rearrange pieces ahead of the writer", CODEC_VERB_WORKERS)
+    _output_options(sp)
+    sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_m2s)
 
 
 def add_o2p(csub) -> None:
@@ -646,7 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     conv = sub.add_parser("convert", help="convert a checkpoint", description="Convert a checkpoint.", epilog=EPILOG)
     csub = conv.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    for add in (add_s2o, add_o2s, add_o2p, add_p2o, add_to_gguf, add_adapter_to_gguf):
+    for add in (add_s2o, add_o2s, add_s2m, add_m2s, add_o2p, add_p2o, add_to_gguf, add_adapter_to_gguf):
         add(csub)
     add_merge(sub)
     add_quantize(sub)

@@ -21,7 +21,7 @@ SUMMARY_ORDER = ("architecture", "name", "gguf_version", "adapter_type", "block_
                  "key_prefix", "layers", "layer_kinds", "towers",
                  "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
                  "use_dora", "modules_to_save", "target_modules", "base_model_name_or_path", "ckptbridge",
-                 "lora_ranks", "leaves", "tensors", "dtypes", "quantization", "parameters", "bytes", "files",
+                 "lora_ranks", "maxtext", "leaves", "tensors", "dtypes", "quantization", "parameters", "bytes", "files",
                  "metadata", "valid", "problem")
 
 
@@ -70,7 +70,7 @@ class HFModelInfo(Info):
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxInfo(Info):
-    OMIT_NONE = ("family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks")
+    OMIT_NONE = ("family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext")
 
     kind: str
     path: str
@@ -84,6 +84,7 @@ class OrbaxInfo(Info):
     layer_kinds: dict[str, int] | None = None
     tunix_mismatch: list[str] | None = None
     lora_ranks: dict[str, int] | None = None
+    maxtext: dict | None = None  # a MaxText checkpoint's tree, scan_layers and LoRA (ckptbridge.maxtext.describe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,20 +190,26 @@ def _inspect_hf(path: str) -> HFModelInfo:
 
 
 def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:
+    from ckptbridge import maxtext
     from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 
-    item = resolve_checkpoint(path, step)
+    try:
+        item = resolve_checkpoint(path, step)
+    except InputNotFoundError:  # a MaxText run's directory: <step>/items
+        item = maxtext.resolve(path, step)
     with OrbaxCheckpoint(item) as ckpt:
         leaves = ckpt.leaves
         meta = ckpt.ckptbridge_metadata
-    lora = any(is_lora_leaf(p) for p in leaves)
+        mt = maxtext.describe(ckpt)
+    lora = any(is_lora_leaf(p) for p in leaves) or bool(mt and mt["lora"])
     described: dict[str, Any] = {}
     if isinstance(meta.get("hf_config"), dict):
         cfg = parse_config(meta["hf_config"], f"{item} (metadata)")
         described = dict(family=cfg.family, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
                          tunix_mismatch=get_family(cfg.family).config_mismatches(cfg))
     ranks: Counter = Counter(int(shape[-1]) for p, (shape, _) in leaves.items() if is_lora_a(p))
-    return OrbaxInfo(kind="orbax-lora" if lora else "orbax-weights", path=item, leaves=len(leaves),
+    kind = ("maxtext" if mt else "orbax") + ("-lora" if lora else "-weights")
+    return OrbaxInfo(kind=kind, path=item, leaves=len(leaves), maxtext=mt,
                      dtypes=dict(Counter(str(d) for _, d in leaves.values())),
                      parameters=sum(_count(s) for s, _ in leaves.values()),
                      bytes=sum(_count(s) * d.itemsize for s, d in leaves.values()),

@@ -10,6 +10,9 @@ first axis (a query ``d n h`` is ``d l n h``, a stacked expert ``e d m`` is ``e 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
 
 from ckptbridge import layout, mapping
 from ckptbridge.errors import MismatchError
@@ -73,3 +76,65 @@ def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool) -> 
         out.append(Leaf(("decoder", "layers", *path.split("/")), scanned_layout(lay),
                         {**rows[0].sizes, LAYER_AXIS: len(rows)}, tuple(rows)))
     return out
+
+
+# --------------------------------------------------------------------------- value transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """A change of values MaxText's conversion makes on the way to MaxText, and its inverse, as
+    MaxText computes them (dtype rules included). ``axis``: the axis it acts along, which a piece
+    must hold whole; ``exact``: the inverse gives back every bit (a permutation), else each way
+    rounds once to the stored dtype."""
+
+    name: str
+    axis: str
+    exact: bool
+    to_maxtext: Callable[[np.ndarray, int, int], np.ndarray]  # (values, axis index, axis size)
+    to_hf: Callable[[np.ndarray, int, int], np.ndarray]
+    maxtext_hook: str  # the hook of MaxText's param_mapping.py that makes it
+
+
+def _pairs(x: np.ndarray, ax: int, n: int, split: tuple[int, int]) -> np.ndarray:
+    """``x`` with axis ``ax`` (length ``n``) seen as ``split`` and the two parts swapped."""
+    y = np.moveaxis(x, ax, -1)
+    y = y.reshape(*y.shape[:-1], *split).swapaxes(-1, -2).reshape(*y.shape[:-1], n)
+    return np.ascontiguousarray(np.moveaxis(y, -1, ax))
+
+
+def _interleave(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    """HF's half-split RoPE order -> interleaved: out[2i] = x[i], out[2i + 1] = x[i + n/2]."""
+    return _pairs(x, ax, n, (2, n // 2))
+
+
+def _deinterleave(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    return _pairs(x, ax, n, (n // 2, 2))
+
+
+def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
+    """``x * factor`` computed in float32 and cast back to ``x``'s dtype (MaxText's
+    ``scale_query_layer``: a float32 scalar, float32 arithmetic)."""
+    return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
+
+
+TRANSFORMS = {t.name: t for t in (
+    Transform("rope_interleave", "h", True, _interleave, _deinterleave, "adjust_rope"),
+    Transform("query_scale", "h", False,
+              lambda x, ax, n: _scaled(x, 1 / np.sqrt(n)), lambda x, ax, n: _scaled(x, np.sqrt(n)),
+              "scale_query_layer"),
+)}
+
+
+def transforms_of(spec: MaxTextSpec, rule: str) -> list[Transform]:
+    return [TRANSFORMS[n] for n in spec.transforms.get(rule, ())]
+
+
+def apply(x: np.ndarray, lay: str, sizes: Mapping[str, int], names: list[Transform], to_maxtext: bool) -> np.ndarray:
+    """``x`` (in the unscanned MaxText layout ``lay``) through ``names`` towards MaxText, or back
+    towards HF in reverse order."""
+    groups = layout.parse(lay)
+    for t in (names if to_maxtext else reversed(names)):
+        ax = groups.index((t.axis,))  # a dimension of its own (the spec's layouts keep it so)
+        x = (t.to_maxtext if to_maxtext else t.to_hf)(x, ax, int(sizes[t.axis]))
+    return x

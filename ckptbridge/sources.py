@@ -302,6 +302,9 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Orbax
     suffix = ckpt.value_suffix
     ents = [_stored_layout(e, leaves.get(e.tunix_path + suffix)) for e in ents]
     expected = {e.tunix_path + suffix: e for e in ents}
+    if any(p[:3] == ("params", "params", "decoder") for p in leaves):  # MaxText's Linen tree (ckptbridge.maxtext)
+        raise MismatchError(f"{path}: is a MaxText checkpoint, not Tunix; use `ckptbridge convert "
+                            "maxtext-to-safetensors`")
     missing = [p for p in expected if p not in leaves]
     if missing:
         e = expected[missing[0]]

@@ -43,6 +43,22 @@ def randomize_(model, seed: int = 0) -> None:
                 t.copy_(torch.randn(t.shape, generator=g) * (t.shape[-1] ** -0.5))
 
 
+def keyed_values(key: str, shape, dtype="bfloat16"):
+    """Values of a tensor named ``key`` that anyone can make again from the name alone, with
+    integer arithmetic (no random generator whose stream could change between numpy versions):
+    distinct, signed, of order 1, a different sequence for every name. ``dtype`` is any numpy
+    dtype name, bfloat16 included."""
+    import zlib
+
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+    import numpy as np
+
+    n = int(np.prod(shape, dtype=np.int64))
+    i = np.arange(n, dtype=np.int64)
+    x = ((i * 2654435761 + zlib.crc32(key.encode())) % 65521 - 32760).astype(np.float32) / 8192
+    return x.reshape(tuple(shape)).astype(np.dtype(dtype))
+
+
 def build_tokenizer(out_dir: str, vocab_size: int) -> None:
     """Train a byte-level BPE tokenizer of ``vocab_size`` tokens with a chat template; save it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

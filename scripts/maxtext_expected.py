@@ -26,6 +26,10 @@ each with scan_layers True and False where MaxText supports it. For every MaxTex
   direction: to_maxtext on NumPy arrays (its eager path, whose getter casts HF tensors to `--save_dtype`, bfloat16
   by default, before the hooks, and saves the hooks' output as it is), to_huggingface on JAX arrays (it restores
   the checkpoint as `weight_dtype` and casts its output to `weight_dtype` afterwards).
+- `sha256_to_maxtext`: sha256 of the stacked MaxText tensor that to_maxtext's hooks and stacking make from bf16 HF
+  tensors whose values follow from their names (`ckptbridge.testing.keyed_values`), as the eager path loads them;
+  `sha256_to_hf`: of the HF tensors (bytes in `hf` order) that to_huggingface with `weight_dtype=bfloat16` makes
+  from that MaxText tensor (restored as bf16, hooks, cast to bf16, reshaped to the HF shape);
 - `hf_reshaped` (only where true): to_huggingface's hooks give another shape of the same size and
   `_process` reshapes the result to the HF shape.
 
@@ -59,6 +63,7 @@ with git when not given.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -78,6 +83,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ckptbridge.testing import keyed_values  # noqa: E402
 
 MODULES = ("param_mapping", "hf_shape", "tensor_handling")
 UTILS_SUBDIRS = ("", "maxtext/checkpoint_conversion/utils", "src/maxtext/checkpoint_conversion/utils")
@@ -435,6 +443,11 @@ def to_hf_slices(maxtext_param_key: str | tuple[str, ...], maxtext_param_weight:
 # One row
 
 
+def digest(x: Any) -> str:
+    """sha256 of an array's bytes (C order, its dtype)."""
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
+
+
 def hook_names(hooks: Any) -> list[str]:
     if hooks is None:
         return []
@@ -472,6 +485,7 @@ def build_row(mx: dict[str, types.ModuleType], row: Row, scan_layers: bool) -> d
     to_mt = ToMaxText(th.apply_hook_fns, cfg)
     keys: dict[str, dict[str, Any]] = {}
     mt_arrays: dict[str, Shape] = {}
+    mt_values: dict[str, np.ndarray] = {}
     for mt_key in mt_keys:
         value = param_map[mt_key]
         hooks = hooks_mt.get(mt_key)
@@ -495,6 +509,10 @@ def build_row(mx: dict[str, types.ModuleType], row: Row, scan_layers: bool) -> d
             out_dtypes[name] = dtype_name(arr)
         keys[mt_key] = {"hf": value, "hooks_to_maxtext": hook_names(hooks), "hooks_to_hf": [],
                         "maxtext_shape": list(target), "hf_shape": list(hf_shape)}
+        # the values: bf16 HF tensors from their names (keyed_values), through to_maxtext's hooks
+        values = to_mt.load(value, lambda k: keyed_values(k, hf_shapes[k]), hooks, target, mt_key)
+        keys[mt_key]["sha256_to_maxtext"] = digest(values)
+        mt_values[mt_key] = values
         if source != "declared":
             keys[mt_key]["mt_from"] = source
         if any(out != name for name, out in out_dtypes.items()):
@@ -529,8 +547,15 @@ def build_row(mx: dict[str, types.ModuleType], row: Row, scan_layers: bool) -> d
                         raise ValueError(f"{row.family}: {key} -> {hf_path}: {out.shape} vs HF {hf_shape}")
                     reshaped = True  # utils._process reshapes to the HF shape
                 out_dtypes[name] = dtype_name(out)
+        # to_huggingface with weight_dtype bfloat16 on the tensor to_maxtext made: hooks, cast, reshape
+        pieces = [jnp.asarray(mt_values[m], dtype=jnp.bfloat16) for m in members]  # restored as weight_dtype
+        back = b""
+        for hf_path, piece in to_hf_slices(key, pieces if isinstance(key, tuple) else pieces[0], hf_map[key], cfg):
+            out = th.apply_hook_fns(piece, tuple(hf_shapes[hf_path]), hooks) if hooks else piece
+            back += np.asarray(out.astype(jnp.bfloat16)).reshape(hf_shapes[hf_path]).tobytes()
         for m in members:
             entry = keys[m]
+            entry["sha256_to_hf"] = hashlib.sha256(back).hexdigest()
             entry["hooks_to_hf"] = hook_names(hooks)
             if isinstance(key, tuple):
                 entry["hf_composite"] = members

@@ -32,6 +32,20 @@ class _Lazy(dict):
         return value
 
 
+# MaxText's own mapping and hooks for tiny configs per family row (scripts/maxtext_expected.py)
+MAXTEXT_EXPECTED = os.path.join(ROOT, "tests", "data", "maxtext", "expected.json")
+MAXTEXT_ROWS = ["qwen3-dense", "qwen3-moe", "qwen2.5", "llama3.1"]  # the rows ckptbridge converts so far
+
+
+@pytest.fixture(scope="session")
+def maxtext_rows() -> dict:
+    """``rows`` of tests/data/maxtext/expected.json: ``<family>/<scanned|unscanned>`` -> its keys."""
+    import json
+
+    with open(MAXTEXT_EXPECTED) as f:
+        return json.load(f)["rows"]
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """row name (tests/families.py) -> path of its tiny HF checkpoint, built lazily, once per session.

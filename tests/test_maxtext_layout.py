@@ -4,23 +4,12 @@ every key, its shape and the HF tensors it holds, scanned and unscanned."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
+from conftest import MAXTEXT_ROWS
 
 from ckptbridge import mapping, specs
 from ckptbridge.errors import MismatchError
 from ckptbridge.maxtext_layout import plan
-
-EXPECTED = os.path.join(os.path.dirname(__file__), "data", "maxtext", "expected.json")
-ROWS = ["qwen3-dense", "qwen3-moe", "qwen2.5", "llama3.1"]
-
-
-@pytest.fixture(scope="module")
-def expected() -> dict:
-    with open(EXPECTED) as f:
-        return json.load(f)["rows"]
 
 
 def _ours(row: dict) -> dict:
@@ -40,9 +29,9 @@ def _ours(row: dict) -> dict:
 
 
 @pytest.mark.parametrize("scan", ["scanned", "unscanned"])
-@pytest.mark.parametrize("family", ROWS)
-def test_keys_shapes_and_hf_tensors_are_maxtexts(expected, family, scan):
-    row = expected[f"{family}/{scan}"]
+@pytest.mark.parametrize("family", MAXTEXT_ROWS)
+def test_keys_shapes_and_hf_tensors_are_maxtexts(maxtext_rows, family, scan):
+    row = maxtext_rows[f"{family}/{scan}"]
     ours = _ours(row)
     theirs = {k: {"maxtext_shape": v["maxtext_shape"], "hf": v["hf"]} for k, v in row["keys"].items()}
     assert sorted(ours) == sorted(theirs)
@@ -50,8 +39,8 @@ def test_keys_shapes_and_hf_tensors_are_maxtexts(expected, family, scan):
         assert ours[key] == theirs[key], key
 
 
-def test_a_row_maxtext_lacks_is_one_line(expected):
-    row = expected["qwen3-dense/unscanned"]
+def test_a_row_maxtext_lacks_is_one_line(maxtext_rows):
+    row = maxtext_rows["qwen3-dense/unscanned"]
     spec = specs.family_for(row["hf_config"])
     cfg = spec.parse_config(row["hf_config"], "expected.json")
     names = dict(spec.maxtext.names)
@@ -60,9 +49,9 @@ def test_a_row_maxtext_lacks_is_one_line(expected):
         plan(mapping.entries(cfg, spec, "model."), type(spec.maxtext)(names), False)
 
 
-def test_scanning_layers_that_differ_is_one_line(expected):
+def test_scanning_layers_that_differ_is_one_line(maxtext_rows):
     """MaxText scans identical layers: a Qwen 3 MoE whose first layer is dense cannot be scanned."""
-    hf = {**expected["qwen3-moe/scanned"]["hf_config"], "mlp_only_layers": [0]}
+    hf = {**maxtext_rows["qwen3-moe/scanned"]["hf_config"], "mlp_only_layers": [0]}
     spec = specs.family_for(hf)
     ents = mapping.entries(spec.parse_config(hf, "config.json"), spec, "model.")
     with pytest.raises(MismatchError, match="the layers differ in this tensor .* convert without --scan-layers"):

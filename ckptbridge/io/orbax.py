@@ -358,13 +358,14 @@ def save_tree(path: str, tree: Mapping[str, Any], custom_metadata: dict | None =
 
 
 def save_manager_step(root: str, step: int, tree: Mapping[str, Any], custom_metadata: dict | None = None,
-                      item: str = "model_params", *, engine: Engine | None = None) -> str:
+                      item: str = "model_params", *, compression: bool = True, engine: Engine | None = None) -> str:
     """Write ``root/<step>/<item>`` the way ``tunix.sft.checkpoint_manager.CheckpointManager`` does
-    (an Orbax CheckpointManager with a PyTree item), with ``custom_metadata`` on the step."""
+    (an Orbax CheckpointManager with a PyTree item), with ``custom_metadata`` on the step
+    (``compression``: as in :func:`save_tree`)."""
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
     with _engine(engine) as eng, _Writer(root, tree, eng) as w, ocp.CheckpointManager(
-            storage.absolute(root), item_handlers={item: _handler(eng, writer=w.kind)}, options=options) as mngr:
+            storage.absolute(root), item_handlers={item: _handler(eng, compression, w.kind)}, options=options) as mngr:
         mngr.save(step, args=ocp.args.Composite(**{item: w.args()}), custom_metadata=custom_metadata or {}, force=True)
         mngr.wait_until_finished()
     return storage.join(root, str(step), item)

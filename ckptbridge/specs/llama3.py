@@ -51,5 +51,5 @@ LLAMA3 = FamilySpec(
     rules=dfirst.rules(), key_prefixes=("model.",),
     parse_config=DENSE.parse_config, axes=dfirst.AXES, model_flags=("untied_head",), tied_keys=("lm_head.weight",),
     tunix=TUNIX, experts=dfirst.experts,
-    vllm_tiny=VLLM_DIMS, gguf={"llama": GGUF}, maxtext=maxtext.DFIRST,
+    vllm_tiny=VLLM_DIMS, gguf={"llama": GGUF}, maxtext=maxtext.LLAMA3,
 )

@@ -17,9 +17,12 @@ from collections.abc import Mapping
 @dataclasses.dataclass(frozen=True)
 class MaxTextSpec:
     """``names``: rule name -> (MaxText path, MaxText layout). A rule without a name has no
-    MaxText parameter (the family's MaxText model has none)."""
+    MaxText parameter (the family's MaxText model has none). ``transforms``: rule name -> the
+    value transforms MaxText's conversion applies to it, by name
+    (``ckptbridge.maxtext_layout.TRANSFORMS``), on the way to MaxText, after the layout change."""
 
     names: Mapping[str, tuple[str, str]]
+    transforms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 # The rows of ckptbridge.specs.dfirst (Qwen 3 dense and MoE, Qwen 2.5, Llama 3), as MaxText's
@@ -48,3 +51,8 @@ DFIRST = MaxTextSpec({
     "experts_up": ("moe_block/wi_1", "e d m"),
     "experts_down": ("moe_block/wo", "e m d"),
 })
+
+# Llama 3.1 (LLAMA31_MAXTEXT_TO_HF_PARAM_HOOK_FN): MaxText's Llama attention does not scale the
+# query at run time, so 1/sqrt(head_dim) is folded into the query kernel, and its RoPE pairs
+# adjacent features, so q and k go from HF's half-split order to interleaved.
+LLAMA3 = dataclasses.replace(DFIRST, transforms={"q": ("rope_interleave", "query_scale"), "k": ("rope_interleave",)})

@@ -1,0 +1,93 @@
+"""safetensors-to-maxtext and maxtext-to-safetensors at 32B width, beside ``cp -r`` + ``sync``.
+
+A bf16 Qwen 3 checkpoint of Qwen3-32B's real shapes (hidden 5120, 64 query / 8 KV heads of 128,
+MLP 25600, vocab 151936, untied head) with k decoder layers (default 4: 7.0 GB), converted to
+MaxText scanned and unscanned and back, alternating with ``cp -r`` + ``sync`` of the base
+``--repeat`` times (medians shown), each a fresh CLI process after ``sync`` (wall time, peak RSS
+and CPU from ``wait4``). Then ``verify tensors`` of the round trip (bitwise for Qwen 3).
+
+    .venv/bin/python benchmarks/maxtext_31b.py [--layers 4] [--repeat 3] [--dir DIR] [--keep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from convert_31b import _convert  # noqa: E402
+from merge_31b import dir_bytes, timed_shell  # noqa: E402
+
+QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+GENERATE = """
+import json, sys
+from ckptbridge.testing import write_random_checkpoint
+write_random_checkpoint(sys.argv[1], family="qwen3", num_hidden_layers=int(sys.argv[2]), **json.loads(sys.argv[3]))
+"""
+HOW = {"scanned": ["--scan-layers"], "unscanned": [], "scanned, no zstd": ["--scan-layers", "--no-compression"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", help="where the base, outputs and copies go (default: a temporary directory)")
+    ap.add_argument("--keep", action="store_true", help="keep the base in DIR/maxtext-31b for the next run")
+    ap.add_argument("--out", help="JSON file for the results")
+    args = ap.parse_args()
+    work = (os.path.join(args.dir or tempfile.gettempdir(), "maxtext-31b") if args.keep
+            else tempfile.mkdtemp(prefix="maxtext-31b-", dir=args.dir))
+    os.makedirs(work, exist_ok=True)
+    base = os.path.join(work, f"base{args.layers}")
+    mt, back, copy = (os.path.join(work, n) for n in ("mt", "back", "copy"))
+    try:
+        if not os.path.isdir(base):
+            subprocess.run([sys.executable, "-c", GENERATE, base, str(args.layers), json.dumps(QWEN3_32B)], check=True)
+        runs: dict = {"cp_sync_s": [], **{h: {"s2m": [], "m2s": []} for h in HOW}}
+        for _ in range(args.repeat):
+            runs["cp_sync_s"].append(timed_shell(f"cp -r {base} {copy} && sync"))
+            shutil.rmtree(copy)
+            line = f"cp + sync {runs['cp_sync_s'][-1]:.1f} s"
+            for how, flags in HOW.items():
+                runs[how]["s2m"].append(_convert("safetensors-to-maxtext", base, mt, *flags))
+                shutil.rmtree(back, ignore_errors=True)
+                runs[how]["m2s"].append(_convert("maxtext-to-safetensors", mt, back))
+                last = {d: runs[how][d][-1]["wall_s"] for d in ("s2m", "m2s")}
+                line += f"; {how}: s2m {last['s2m']:.1f} s, m2s {last['m2s']:.1f} s"
+            print(line, flush=True)
+        same = subprocess.run([sys.executable, "-m", "ckptbridge", "verify", "tensors", base, back],
+                              capture_output=True, text=True).returncode == 0
+        cps = statistics.median(runs["cp_sync_s"])
+        result = {"model": {**QWEN3_32B, "num_hidden_layers": args.layers}, "base_bytes": dir_bytes(base),
+                  "cp_sync_s": cps, "runs": runs, "round_trip_bitwise": same}
+        print(f"base {result['base_bytes'] / 2**30:.2f} GiB, cp + sync median {cps:.2f} s")
+        print(f"{'how':<16} | {'s2m s':>6} {'x cp+sync':>9} {'RSS MB':>6} {'CPU s':>6} | "
+              f"{'m2s s':>6} {'x cp+sync':>9} {'RSS MB':>6} {'CPU s':>6}")
+        for how in HOW:
+            cells = []
+            for d in ("s2m", "m2s"):
+                r = runs[how][d]
+                wall = statistics.median(x["wall_s"] for x in r)
+                cells.append(f"{wall:>6.2f} {wall / cps:>9.2f} {max(x['peak_rss_mb'] for x in r):>6.0f} "
+                             f"{statistics.median(x['user_s'] + x['sys_s'] for x in r):>6.1f}")
+            print(f"{how:<16} | {cells[0]} | {cells[1]}")
+        print(f"round trip bit-identical (verify tensors): {same}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    finally:
+        for p in (mt, back, copy):
+            shutil.rmtree(p, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""`convert safetensors-to-maxtext` and `maxtext-to-safetensors` against MaxText's own conversions.
+
+tests/data/maxtext/expected.json holds, per MaxText key of every family row, the sha256 of what
+MaxText's to_maxtext hooks and stacking make from bf16 HF tensors whose values follow from their
+names (`ckptbridge.testing.keyed_values`), and of what its to_huggingface (weight_dtype bfloat16)
+makes from that back (scripts/maxtext_expected.py runs MaxText's code). Here the same HF tensors go
+through our verbs: every MaxText tensor and every HF tensor back must have those bytes. Then
+real models: round trips bitwise where no transform applies, logits with transformers, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import MAXTEXT_ROWS
+
+from ckptbridge.cli import main
+from ckptbridge.errors import MismatchError
+from ckptbridge.io import orbax as orbax_io
+from ckptbridge.io.hf import HFModelDir, write_model_directory
+from ckptbridge.io.safetensors import PlannedTensor
+from ckptbridge.maxtext import ITEM, ROOT, convert_maxtext_to_safetensors, convert_safetensors_to_maxtext
+from ckptbridge.testing import keyed_values, write_random_checkpoint
+
+
+def _flat(value) -> list[str]:
+    return [value] if isinstance(value, str) else [k for v in value for k in _flat(v)]
+
+
+def _hf_model(row: dict, out: str) -> dict[str, np.ndarray]:
+    """The row's HF model with keyed_values tensors (bf16), as a model directory at ``out``."""
+    shapes = {}
+    for v in row["keys"].values():
+        for k in _flat(v["hf"]):
+            shapes[k] = tuple(v["hf_shape"])
+    tensors = {k: keyed_values(k, s) for k, s in shapes.items()}
+    planned = [PlannedTensor(k, t.dtype, t.shape, lambda t=t: t) for k, t in tensors.items()]
+    write_model_directory(out, planned, row["hf_config"], 1 << 30)
+    return tensors
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+@pytest.mark.parametrize("chunk_size", ["32MiB", "1KiB"])  # 1 KiB: tensors in row blocks both ways
+@pytest.mark.parametrize("scan", ["scanned", "unscanned"])
+@pytest.mark.parametrize("family", MAXTEXT_ROWS)
+def test_tensors_are_what_maxtexts_conversions_make(maxtext_rows, family, scan, chunk_size, tmp_path):
+    row = maxtext_rows[f"{family}/{scan}"]
+    hf = _hf_model(row, str(tmp_path / "hf"))
+    convert_safetensors_to_maxtext(str(tmp_path / "hf"), str(tmp_path / "mt"), scan_layers=row["scan_layers"],
+                                   chunk_size=chunk_size, progress=False)
+    with orbax_io.OrbaxCheckpoint(str(tmp_path / "mt" / "0" / ITEM)) as ckpt:
+        paths = {"-".join(p[1:]): p for p in ckpt.leaves if p[:2] == ROOT}
+        assert sorted(paths) == sorted(row["keys"])
+        got = ckpt.read(paths.values())
+        assert ckpt.custom_metadata["scan_layers"] is row["scan_layers"]
+        # stored in pieces: a layer per chunk when scanned, row blocks within 1 KiB when asked
+        layers = {p: ckpt.leaves[p][0][1] if row["scan_layers"] and p[3] == "layers" else 1 for p in paths.values()}
+        small = [p for p in paths.values() if np.prod(ckpt.chunks(p)) < np.prod(ckpt.leaves[p][0]) // layers[p]]
+        assert bool(small) == (chunk_size == "1KiB"), small
+    for key, want in row["keys"].items():
+        x = got[paths[key]]
+        assert (list(x.shape), x.dtype.name) == (want["maxtext_shape"], "bfloat16"), key
+        assert _sha(np.ascontiguousarray(x).tobytes()) == want["sha256_to_maxtext"], key
+
+    convert_maxtext_to_safetensors(str(tmp_path / "mt"), str(tmp_path / "back"), chunk_size=chunk_size,
+                                   progress=False)
+    with HFModelDir(str(tmp_path / "back")) as model:
+        assert sorted(model.keys()) == sorted(hf)
+        for key, want in row["keys"].items():
+            back = b"".join(np.ascontiguousarray(model.array(k)).tobytes() for k in _flat(want["hf"]))
+            assert _sha(back) == want["sha256_to_hf"], key
+
+
+def test_llama_round_trip_is_within_one_rounding_of_the_query(maxtext_rows, tmp_path):
+    """Llama's query is scaled by 1/sqrt(head_dim) into MaxText and back, each in float32 and
+    rounded to bf16: q differs by at most one bf16 step (2^-7 relative), every other tensor is bitwise."""
+    row = maxtext_rows["llama3.1/scanned"]
+    hf = _hf_model(row, str(tmp_path / "hf"))
+    convert_safetensors_to_maxtext(str(tmp_path / "hf"), str(tmp_path / "mt"), scan_layers=True, progress=False)
+    convert_maxtext_to_safetensors(str(tmp_path / "mt"), str(tmp_path / "back"), progress=False)
+    changed = 0
+    with HFModelDir(str(tmp_path / "back")) as model:
+        for key, x in hf.items():
+            y = model.array(key)
+            if key.endswith("q_proj.weight"):
+                x32, y32 = x.astype(np.float32), y.astype(np.float32)
+                assert (np.abs(y32 - x32) <= 2.0 ** -7 * np.abs(x32)).all(), key  # one bf16 step
+                changed += int((y32 != x32).sum())
+            else:
+                assert np.array_equal(y.view(np.uint16), x.view(np.uint16)), key
+    assert changed > 0  # the scale does round somewhere: the bound above is not vacuous
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_logits_after_a_round_trip(family, tmp_path):
+    """A random model through MaxText (scanned; Llama's chunks stored without zstd) and back:
+    transformers' logits in float32 agree with the original's (bitwise for Qwen 3, whose tensors
+    come back bitwise)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    src = str(tmp_path / "hf")
+    write_random_checkpoint(src, family=family)
+    flags = ["--scan-layers"] + (["--no-compression"] if family == "llama3" else [])
+    assert main(["convert", "safetensors-to-maxtext", src, str(tmp_path / "mt"), *flags, "--quiet"]) == 0
+    assert main(["convert", "maxtext-to-safetensors", str(tmp_path / "mt"), str(tmp_path / "back"), "--quiet"]) == 0
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    logits = []
+    for d in (src, str(tmp_path / "back")):
+        m = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(m(ids).logits.float().numpy())
+    a, b = logits
+    nmse = float(((a - b) ** 2).mean() / (a ** 2).mean())
+    if family == "qwen3":
+        assert nmse == 0.0
+    else:
+        assert 0 < nmse < 1e-4, nmse  # q rounded once each way in bf16
+    print(f"{family}: logits NMSE after HF -> MaxText -> HF {nmse:.3g}")
+
+
+def test_errors_are_one_line_and_write_nothing(maxtext_rows, tmp_path, capsys):
+    row = maxtext_rows["qwen3-dense/scanned"]
+    _hf_model(row, str(tmp_path / "hf"))
+    mt = str(tmp_path / "mt")
+    assert main(["convert", "safetensors-to-maxtext", str(tmp_path / "hf"), mt, "--scan-layers", "--quiet"]) == 0
+
+    def fails(argv, pattern):
+        capsys.readouterr()
+        dst = argv[3]
+        code = main(argv + ["--quiet"])
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and len(err.splitlines()) == 1, err
+        assert pattern in err, err
+        assert not os.path.exists(dst)
+
+    # a config of another size: the tree does not match
+    other = {**row["hf_config"], "num_hidden_layers": row["hf_config"]["num_hidden_layers"] + 1}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(other))
+    fails(["convert", "maxtext-to-safetensors", mt, str(tmp_path / "o1"), "--config", str(tmp_path / "cfg")],
+          "has shape (40, 3, 4, 12), the config implies (40, 4, 4, 12)")
+    # a family without a MaxText layout
+    write_random_checkpoint(str(tmp_path / "g"), family="gemma4")
+    fails(["convert", "safetensors-to-maxtext", str(tmp_path / "g"), str(tmp_path / "o2")], "no MaxText layout")
+    # a truncated step: a stored chunk gone
+    chunks = sorted(p for p in (tmp_path / "mt").rglob("d/*") if p.is_file())
+    assert chunks
+    for p in chunks:
+        p.unlink()
+    fails(["convert", "maxtext-to-safetensors", mt, str(tmp_path / "o3")], "the checkpoint is damaged")
+    # not a MaxText checkpoint at all
+    fails(["convert", "maxtext-to-safetensors", str(tmp_path / "hf"), str(tmp_path / "o4")], "not an Orbax checkpoint")
+
+
+def test_a_tree_of_another_scan_layout_than_recorded_is_refused(maxtext_rows, tmp_path):
+    row = maxtext_rows["qwen2.5/unscanned"]
+    _hf_model(row, str(tmp_path / "hf"))
+    convert_safetensors_to_maxtext(str(tmp_path / "hf"), str(tmp_path / "mt"), progress=False)
+    meta = tmp_path / "mt" / "0" / "_CHECKPOINT_METADATA"
+    doc = json.loads(meta.read_text())
+    doc["custom_metadata"]["scan_layers"] = True
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(MismatchError, match="scan_layers=True, but its tree is unscanned"):
+        convert_maxtext_to_safetensors(str(tmp_path / "mt"), str(tmp_path / "back"), progress=False)
+    assert not (tmp_path / "back").exists()
+
+
+def test_an_nnx_sft_tree_converts_and_inspect_says_what_each_is(maxtext_rows, tmp_path, capsys):
+    """MaxText's NNX SFT trainers save the tree at <step>/model_params without params/params and
+    with a value level under each leaf: it converts to the same HF tensors, and inspect tells it
+    from the Linen form and from a Tunix checkpoint."""
+    row = maxtext_rows["qwen3-moe/scanned"]
+    hf = _hf_model(row, str(tmp_path / "hf"))
+    convert_safetensors_to_maxtext(str(tmp_path / "hf"), str(tmp_path / "mt"), scan_layers=True, progress=False)
+    with orbax_io.OrbaxCheckpoint(str(tmp_path / "mt" / "0" / ITEM)) as ckpt:
+        linen = ckpt.read([p for p in ckpt.leaves if p[:2] == ROOT])
+    nnx = orbax_io.nest({p[2:] + ("value",): x for p, x in linen.items()})
+    orbax_io.save_manager_step(str(tmp_path / "sft" / "checkpoints"), 7, nnx, item="model_params")
+    convert_maxtext_to_safetensors(str(tmp_path / "sft" / "checkpoints"), str(tmp_path / "back"),
+                                   config=str(tmp_path / "hf"), progress=False)
+    with HFModelDir(str(tmp_path / "back")) as model:
+        for key, x in hf.items():
+            assert np.array_equal(model.array(key).view(np.uint16), x.view(np.uint16)), key
+
+    def inspect(path):
+        capsys.readouterr()
+        assert main(["inspect", path, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    info = inspect(str(tmp_path / "mt"))
+    assert (info["kind"], info["family"], info["maxtext"]) == (
+        "maxtext-weights", "qwen3", {"tree": "linen (params/params)", "scan_layers": True, "lora": False})
+    info = inspect(str(tmp_path / "sft" / "checkpoints"))
+    assert (info["kind"], info["maxtext"]["tree"], info["path"].endswith("7/model_params")) == (
+        "maxtext-weights", "nnx (model_params)", True)
+    # a Tunix verb given a MaxText checkpoint says which verb to use
+    capsys.readouterr()
+    assert main(["convert", "orbax-to-safetensors", str(tmp_path / "mt" / "0" / ITEM), str(tmp_path / "o"),
+                 "--quiet"]) != 0
+    assert "is a MaxText checkpoint, not Tunix; use `ckptbridge convert maxtext-to-safetensors`" in \
+        capsys.readouterr().err
