@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from ckptbridge import deps, hub, mapping, maxtext_layout, options, specs
+from ckptbridge import deps, hub, layout, mapping, maxtext_layout, options, specs
 from ckptbridge.config import ModelConfig
 from ckptbridge.convert import HELD_PER_BYTE, ConversionReport, _metadata, _per_block
 from ckptbridge.errors import ConfigError, InputNotFoundError, MismatchError, UnsupportedError
@@ -53,24 +55,17 @@ def _maxtext_spec(spec: FamilySpec, where: str):
     return spec.maxtext
 
 
-def _unscanned(leaf: Leaf, spec) -> str:
-    """The MaxText layout of one layer of ``leaf`` (its own layout when unscanned)."""
-    return spec.names[leaf.entries[0].rule.name][1]
-
-
 def _as(entry: mapping.Entry, lay: str) -> mapping.Entry:
     """``entry`` with MaxText's layout ``lay`` in place of Tunix's: the blocks and rearrangements of
     :mod:`ckptbridge.mapping` then go between HF and MaxText."""
     return dataclasses.replace(entry, tunix_variant=lay)
 
 
-def _scanned(leaf: Leaf) -> bool:
-    return leaf.path[:2] == ("decoder", "layers")
-
-
-def _with_layer(region: tuple[slice, ...], pos: int) -> tuple[slice, ...]:
-    """A box of one layer's tensor -> the same box of layer ``pos`` in the stacked tensor."""
-    return region[:maxtext_layout.SCAN_AXIS] + (slice(pos, pos + 1),) + region[maxtext_layout.SCAN_AXIS:]
+def _whole_layout(leaf: Leaf) -> str:
+    """The layout ``leaf``'s rows are read or written in: the part's own, with the axis it is
+    selected along in front where the row fuses several parts."""
+    sel = leaf.part.select
+    return f"{sel[0]} {leaf.part.layout}" if sel else leaf.part.layout
 
 
 def _blocks(e: mapping.Entry, nbytes: int, chunk_bytes: int, transforms) -> mapping.Blocks | None:
@@ -103,41 +98,45 @@ class ToMaxTextReport(ConversionReport):
 
 
 def _leaf_to_maxtext(source: HFSource, leaf: Leaf, spec, chunk_bytes: int) -> orbax_io.LazyArray:
-    """The MaxText parameter ``leaf`` as pieces made from the HF tensors: one per layer when
-    scanned (a chunk of the stacked tensor each), or row blocks of at most ``chunk_bytes`` of one
-    layer's tensor where it is larger (and its transforms allow)."""
-    lay = _unscanned(leaf, spec)
+    """The MaxText parameter ``leaf`` as pieces made from the HF tensors: one per stacked layer
+    (a chunk of the stacked tensor each), or row blocks of at most ``chunk_bytes`` of one layer's
+    tensor where it is larger (and its transforms allow). A part of a fused row is made from the
+    whole row, of which it takes its index."""
+    lay, whole_lay, sel = leaf.part.layout, _whole_layout(leaf), leaf.part.select
     transforms = transforms_of(spec, leaf.entries[0].rule.name)
     dtype = source.dtype(leaf.entries[0])
-    scanned = _scanned(leaf)
+
+    def pick(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x[sel[1]]) if sel else x
 
     def whole(e: mapping.Entry) -> np.ndarray:
-        x = apply(source.tunix_value(e), lay, e.sizes, transforms, True)
-        return np.expand_dims(x, maxtext_layout.SCAN_AXIS) if scanned else x
+        return leaf.stacked(apply(pick(source.tunix_value(e)), lay, e.sizes, transforms, True))
 
     def block(blocks: mapping.Blocks, i: int, j: int) -> np.ndarray:
-        x = apply(source.tunix_block(blocks, i, j), lay, blocks.sizes(i, j), transforms, True)
-        return np.expand_dims(x, maxtext_layout.SCAN_AXIS) if scanned else x
+        x = pick(source.tunix_block(blocks, i, j))
+        return leaf.stacked(apply(x, lay, blocks.sizes(i, j), transforms, True))
 
     pieces: list = []
     chunks: tuple[int, ...] = ()
+    skip = 1 if sel else 0  # the selected axis leads the blocks' regions
     for pos, entry in enumerate(leaf.entries):
-        e = _as(entry, lay)
+        e = _as(entry, whole_lay)
         nbytes = math.prod(e.tunix_shape) * dtype.itemsize
         blocks = _blocks(e, nbytes, chunk_bytes, transforms)
+        if blocks is not None and blocks.tunix_dim < skip:
+            blocks = None
         if blocks is None:
-            if not scanned:
+            if not leaf.stack:
                 return orbax_io.LazyArray(leaf.shape, dtype, produce=functools.partial(whole, e), held=HELD_PER_BYTE)
-            regions = [(tuple(slice(None) for _ in e.tunix_shape), functools.partial(whole, e))]
-            chunks = e.tunix_shape
+            regions = [(leaf.region(pos), functools.partial(whole, e))]
+            chunks = layout.shape(lay, e.sizes)
         else:
             per = _per_block(blocks, nbytes, chunk_bytes)
-            regions = [(blocks.tunix_region(i, j), functools.partial(block, blocks, i, j))
+            regions = [(leaf.region(pos, blocks.tunix_region(i, j)[skip:]), functools.partial(block, blocks, i, j))
                        for i, j in blocks.ranges(per)]
-            chunks = blocks.tunix_block_shape(per)
-        pieces += [(_with_layer(r, pos) if scanned else r, make) for r, make in regions]
-    if scanned:  # one layer per chunk
-        chunks = chunks[:maxtext_layout.SCAN_AXIS] + (1,) + chunks[maxtext_layout.SCAN_AXIS:]
+            chunks = blocks.tunix_block_shape(per)[skip:]
+        pieces += regions
+    chunks = chunks[:maxtext_layout.SCAN_AXIS] + (1,) * len(leaf.stack) + chunks[maxtext_layout.SCAN_AXIS:]
     return orbax_io.LazyArray(leaf.shape, dtype, chunks=chunks, pieces=pieces, held=HELD_PER_BYTE)
 
 
@@ -164,7 +163,7 @@ def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = Fa
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source, parallel.engine("s2m") as engine:
         spec = _maxtext_spec(source.spec, src)
         specs.note_mismatch(source.cfg)
-        leaves = maxtext_layout.plan(source.entries, spec, scan_layers)
+        leaves = maxtext_layout.plan(source.entries, spec, scan_layers, source.cfg.flags)
         flat = {ROOT + leaf.path: _leaf_to_maxtext(source, leaf, spec, chunk_bytes) for leaf in leaves}
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "safetensors -> maxtext", enabled=progress)
@@ -245,6 +244,11 @@ def _tree_root(ckpt: orbax_io.OrbaxCheckpoint) -> tuple[tuple[str, ...], tuple[s
                         "decoder tree); for a Tunix checkpoint use `ckptbridge convert orbax-to-safetensors`")
 
 
+def _is_scanned(params) -> bool:
+    """Whether MaxText parameter paths are those of stacked layers (no ``decoder/layers_{i}``)."""
+    return not any(len(p) > 1 and p[0] == "decoder" and re.fullmatch(r"layers_[0-9]+", p[1]) for p in params)
+
+
 def describe(ckpt: orbax_io.OrbaxCheckpoint) -> dict | None:
     """What ``inspect`` says of a MaxText checkpoint (None when ``ckpt`` is not one): its tree
     (Linen ``params/params`` or NNX SFT), whether its layers are scanned, and whether it holds LoRA."""
@@ -254,7 +258,7 @@ def describe(ckpt: orbax_io.OrbaxCheckpoint) -> dict | None:
         return None
     params = [p[len(root):] for p in ckpt.leaves if p[:len(root)] == root]
     return {"tree": "linen (params/params)" if root else "nnx (model_params)",
-            "scan_layers": any(p[:2] == ("decoder", "layers") for p in params),
+            "scan_layers": _is_scanned(params),
             "lora": any(p[-1 - len(suffix)].endswith(("_lora_a", "_lora_b")) for p in params)}
 
 
@@ -295,13 +299,13 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
     mt = _maxtext_spec(spec, where)
     cfg = spec.parse_config(hf_config, where)
     prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
-    scanned = any(p[:2] == ("decoder", "layers") for p in params)
+    scanned = _is_scanned(params)
     recorded = ckpt.custom_metadata.get(SCAN_KEY)
     if isinstance(recorded, bool) and recorded != scanned:
         raise MismatchError(f"{path}: its metadata says scan_layers={recorded}, but its tree is "
                             f"{'scanned' if scanned else 'unscanned'}; the checkpoint is inconsistent")
     ents = mapping.entries(cfg, spec, prefix)
-    leaves = maxtext_layout.plan(ents, mt, scanned)
+    leaves = maxtext_layout.plan(ents, mt, scanned, cfg.flags)
     expected = {leaf.path: leaf for leaf in leaves}
     form = "scanned" if scanned else "unscanned"
     missing = [p for p in expected if p not in params]
@@ -332,23 +336,21 @@ class FromMaxTextReport(ConversionReport):
         return self._head(self.seconds) + f"\n  MaxText layout: {lay}\n  files: {', '.join(self.files)}"
 
 
-Part = tuple[str, np.ndarray]
+Piece = tuple[str, np.ndarray]  # an HF key and values of it: the whole tensor or a run of its rows
+Tensors = list[tuple[mapping.Entry, str, int]]  # (entry, HF key, pieces it is written from)
 
 
-def _layer_groups(source: MaxTextSource, leaf: Leaf) -> list[tuple[int, int]]:
-    """Runs of layers of a scanned ``leaf`` read at once: one layer where the stored chunks hold
-    one layer each (as ckptbridge writes them), else the layers of each stored chunk along the
-    layer axis (as Orbax stores MaxText's own: a chunk read is decoded whole)."""
+def _position_groups(source: MaxTextSource, leaf: Leaf) -> list[tuple[int, int]]:
+    """Runs of ``leaf``'s entries read at once: one entry where the stored chunks hold one layer
+    each along the stacked axes (as ckptbridge writes them), else all of them (as Orbax stores
+    MaxText's own checkpoints, in chunks of up to 2 GiB over every layer: a chunk read is decoded
+    whole, so it is read once)."""
     n = len(leaf.entries)
     chunks = source.ckpt.chunks(source.path(leaf))
-    step = 1 if chunks is not None and chunks[maxtext_layout.SCAN_AXIS] == 1 else \
-        (chunks[maxtext_layout.SCAN_AXIS] if chunks is not None else n)
-    return [(i, min(i + step, n)) for i in range(0, n, step)]
-
-
-def _to_hf_parts(e: mapping.Entry, x: np.ndarray, transforms) -> list[Part]:
-    x = apply(x, e.tunix_layout, e.sizes, transforms, False)
-    return list(zip(e.hf_keys, mapping.tunix_to_hf(e, x)))
+    ax = maxtext_layout.SCAN_AXIS
+    if not leaf.stack or (chunks is not None and all(c == 1 for c in chunks[ax:ax + len(leaf.stack)])):
+        return [(i, i + 1) for i in range(n)]
+    return [(0, n)]
 
 
 def _read(source: MaxTextSource, leaf: Leaf, region: tuple[slice, ...] | None) -> np.ndarray:
@@ -356,59 +358,80 @@ def _read(source: MaxTextSource, leaf: Leaf, region: tuple[slice, ...] | None) -
     return source.ckpt.start_read([p], region)()[p]
 
 
-def _group_parts(source: MaxTextSource, leaf: Leaf, lay: str, transforms, i: int, j: int) -> list[Part]:
-    ax = maxtext_layout.SCAN_AXIS
-    region = tuple(slice(i, j) if d == ax else slice(None) for d in range(len(leaf.shape)))
-    x = _read(source, leaf, region)
-    out: list[Part] = []
+def _span(leaf: Leaf, i: int, j: int) -> tuple[tuple[slice, ...] | None, Callable[[np.ndarray, int], np.ndarray]]:
+    """The box of the stored tensor that entries ``i:j`` fill, and how to take entry ``pos`` out of it."""
+    if j - i == 1:
+        return (leaf.region(i) if leaf.stack else None), lambda x, pos: leaf.one(x)
+    return None, lambda x, pos: leaf.one(x[leaf.region(pos)])
+
+
+def _unit_pieces(source: MaxTextSource, leaves: list[Leaf], transforms, i: int, j: int) -> list[Piece]:
+    """The HF tensors of entries ``i:j`` of ``leaves`` (one leaf, or the parts of a fused row in
+    order), read from the stored tensors."""
+    region, take = _span(leaves[0], i, j)
+    xs = [_read(source, leaf, region) for leaf in leaves]
+    out: list[Piece] = []
     for pos in range(i, j):
-        out += _to_hf_parts(_as(leaf.entries[pos], lay), np.take(x, pos - i, axis=ax), transforms)
+        vals = [apply(take(x, pos), leaf.part.layout, leaf.entries[pos].sizes, transforms, False)
+                for x, leaf in zip(xs, leaves)]
+        e = _as(leaves[0].entries[pos], _whole_layout(leaves[0]))
+        value = np.stack(vals) if leaves[0].part.select else vals[0]
+        out += list(zip(e.hf_keys, mapping.tunix_to_hf(e, value)))
     return out
 
 
-def _box_parts(source: MaxTextSource, leaf: Leaf, pos: int | None, blocks: mapping.Blocks, transforms,
-               i: int, j: int) -> list[Part]:
-    region = blocks.tunix_region(i, j)
-    box = _read(source, leaf, _with_layer(region, pos) if pos is not None else region)
-    if pos is not None:
-        box = np.take(box, 0, axis=maxtext_layout.SCAN_AXIS)
-    box = apply(box, blocks.entry.tunix_layout, blocks.sizes(i, j), transforms, False)
-    hf = blocks.to_hf(box, i, j)
+def _box_pieces(source: MaxTextSource, leaf: Leaf, pos: int, blocks: mapping.Blocks, transforms,
+                i: int, j: int) -> list[Piece]:
+    box = leaf.one(_read(source, leaf, leaf.region(pos, blocks.tunix_region(i, j))))
+    hf = blocks.to_hf(apply(box, leaf.part.layout, blocks.sizes(i, j), transforms, False), i, j)
     keys = blocks.entry.hf_keys
     return [(keys[0], hf)] if not blocks.keyed else [(keys[n], hf[n - i]) for n in range(i, j)]
 
 
-Tensors = list[tuple[mapping.Entry, str, int]]  # (entry, HF key, parts it is written from)
+def _units(source: MaxTextSource) -> list[list[Leaf]]:
+    """The leaves in write order, the parts of a fused row together (in their order)."""
+    out: list[list[Leaf]] = []
+    fused: dict[tuple, list[Leaf]] = {}
+    for leaf in source.leaves:
+        if leaf.part.select is None:
+            out.append([leaf])
+            continue
+        key = (tuple(id(e) for e in leaf.entries), leaf.part.select[0])  # the same rows, split
+        if key not in fused:
+            fused[key] = []
+            out.append(fused[key])
+        fused[key].append(leaf)
+    for unit in out:
+        unit.sort(key=lambda leaf: leaf.part.select[1] if leaf.part.select else 0)
+    return out
 
 
-def _leaf_jobs(source: MaxTextSource, leaf: Leaf, chunk_bytes: int) -> tuple[list[Job], Tensors]:
-    """The jobs that make ``leaf``'s HF tensors, and (entry, HF key, parts) in the order they come."""
-    lay = _unscanned(leaf, source.spec.maxtext)
+def _unit_jobs(source: MaxTextSource, leaves: list[Leaf], chunk_bytes: int) -> tuple[list[Job], Tensors]:
+    """The jobs that make the HF tensors of ``leaves`` (one leaf, or the parts of a fused row),
+    and (entry, HF key, pieces) in the order they come."""
+    leaf = leaves[0]
     transforms = transforms_of(source.spec.maxtext, leaf.entries[0].rule.name)
     itemsize = source.dtype(leaf).itemsize
-    scanned = _scanned(leaf)
     stored = source.ckpt.chunks(source.path(leaf))
-    groups = _layer_groups(source, leaf) if scanned else [(0, 1)]
     jobs: list[Job] = []
     tensors: Tensors = []
-    for i, j in groups:
-        e = _as(leaf.entries[i], lay)
-        nbytes = math.prod(e.tunix_shape) * itemsize
-        blocks = _blocks(e, nbytes, chunk_bytes, transforms) if j - i == 1 and stored is not None else None
+    for i, j in _position_groups(source, leaf):
+        e = _as(leaf.entries[i], leaf.part.layout)
+        nbytes = math.prod(e.tunix_shape) * itemsize * len(leaves)
+        blocks = _blocks(e, nbytes, chunk_bytes, transforms) if j - i == 1 and len(leaves) == 1 else None
         ranges = None
         if blocks is not None and stored is not None:
-            chunk = stored[blocks.tunix_dim + (1 if scanned and blocks.tunix_dim >= maxtext_layout.SCAN_AXIS else 0)]
-            align = chunk // math.gcd(chunk, blocks.tunix_step)
+            dim = blocks.tunix_dim + (len(leaf.stack) if blocks.tunix_dim >= maxtext_layout.SCAN_AXIS else 0)
+            align = stored[dim] // math.gcd(stored[dim], blocks.tunix_step)
             ranges = blocks.ranges(_per_block(blocks, nbytes, chunk_bytes), align)
         if blocks is None or ranges is None or len(ranges) < 2:
-            make = (functools.partial(_group_parts, source, leaf, lay, transforms, i, j) if scanned else
-                    (lambda e=e: _to_hf_parts(e, _read(source, leaf, None), transforms)))
-            jobs.append((HELD_PER_BYTE * nbytes * (j - i), make))
+            jobs.append((HELD_PER_BYTE * nbytes * (j - i),
+                         functools.partial(_unit_pieces, source, leaves, transforms, i, j)))
             tensors += [(leaf.entries[p], key, 1) for p in range(i, j) for key in leaf.entries[p].hf_keys]
             continue
         for a, b in ranges:
             jobs.append((HELD_PER_BYTE * nbytes * (b - a) // blocks.count,
-                         functools.partial(_box_parts, source, leaf, i if scanned else None, blocks, transforms, a, b)))
+                         functools.partial(_box_pieces, source, leaf, i, blocks, transforms, a, b)))
         tensors += ([(leaf.entries[i], e.hf_keys[0], len(ranges))] if not blocks.keyed
                     else [(leaf.entries[i], key, 1) for key in e.hf_keys])
     return jobs, tensors
@@ -435,10 +458,10 @@ def convert_maxtext_to_safetensors(src: str, dst: str, *, config: str | None = N
         specs.note_mismatch(source.cfg)
         jobs: list[Job] = []
         tensors: list[tuple[mapping.Entry, str, int, np.dtype]] = []
-        for leaf in source.leaves:
-            leaf_jobs, leaf_tensors = _leaf_jobs(source, leaf, chunk_bytes)
-            jobs += leaf_jobs
-            tensors += [(e, key, n, source.dtype(leaf)) for e, key, n in leaf_tensors]
+        for unit in _units(source):
+            unit_jobs, unit_tensors = _unit_jobs(source, unit, chunk_bytes)
+            jobs += unit_jobs
+            tensors += [(e, key, n, source.dtype(unit[0])) for e, key, n in unit_tensors]
         parts: Parts = Parts(engine.stream(jobs))
         planned = [PlannedTensor(key, dtype, e.hf_shape, functools.partial(parts.take, key)) if n == 1 else
                    PlannedTensor(key, dtype, e.hf_shape, chunks=functools.partial(parts.take_many, key, n))

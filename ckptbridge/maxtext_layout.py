@@ -1,10 +1,12 @@
 """MaxText's parameter tree for a model, from its family's rows and :class:`MaxTextSpec`.
 
-Unscanned, each row of each layer is one MaxText parameter at ``decoder/layers_{i}/<path>``.
-With ``scan_layers`` the rows of every layer are one parameter at ``decoder/layers/<path>``,
-stacked on axis 1 (MaxText's ``param_scan_axis``): the layout gains a layer axis ``l`` after its
-first axis (a query ``d n h`` is ``d l n h``, a stacked expert ``e d m`` is ``e l d m``).
-``tests/data/maxtext/expected.json`` holds what MaxText's own mapping gives for the same configs.
+Unscanned, each row of each layer is a MaxText parameter at ``decoder/layers_{i}/<path>`` (or
+several: a row that fuses MaxText's parameters, :class:`~ckptbridge.specs.maxtext.Part`). With
+``scan_layers`` the layers stack as the spec's :class:`~ckptbridge.specs.maxtext.Scan` says: all
+at ``decoder/layers/<path>`` on axis 1 (MaxText's ``param_scan_axis``), so that the layout gains
+a layer axis after its first axis (a query ``d n h`` is ``d blk n h``), or in blocks whose
+positions nest on axis 2 (Gemma 4: ``d blk sub n h``). ``tests/data/maxtext/expected.json``
+holds what MaxText's own mapping gives for the same configs.
 """
 
 from __future__ import annotations
@@ -15,22 +17,25 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ckptbridge import layout, mapping
-from ckptbridge.errors import MismatchError
-from ckptbridge.specs.maxtext import MaxTextSpec
+from ckptbridge.errors import MismatchError, UnsupportedError
+from ckptbridge.specs.maxtext import MaxTextSpec, Part
 
 SCAN_AXIS = 1  # MaxText's param_scan_axis (base.yml)
-LAYER_AXIS = "l"
+STACK_AXES = ("blk", "sub")  # the stacked layer axes: blocks (axis 1), positions in a block (axis 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One MaxText parameter: its path under ``params/params``, its layout and axis sizes, and the
-    rows it holds (one, or one per layer in layer order when scanned)."""
+    """One MaxText parameter: its path under ``params/params``, its stored layout and axis sizes,
+    the row's :class:`Part` it is, and the rows it holds: one, or one per stacked layer in order
+    (blocks, then positions in a block) with ``stack`` the sizes of the stacked axes."""
 
     path: tuple[str, ...]
     layout: str
     sizes: dict
     entries: tuple[mapping.Entry, ...]
+    part: Part
+    stack: tuple[int, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -41,40 +46,94 @@ class Leaf:
         """MaxText's flat name of the parameter (``params-decoder-layers-...``)."""
         return "-".join(("params", *self.path))
 
+    def index(self, pos: int) -> tuple[int, ...]:
+        """Where the ``pos``-th of :attr:`entries` sits along the stacked axes."""
+        return divmod(pos, self.stack[1]) if len(self.stack) == 2 else (pos,) if self.stack else ()
 
-def scanned_layout(unscanned: str) -> str:
-    """``unscanned`` with the layer axis inserted at :data:`SCAN_AXIS`."""
+    def region(self, pos: int, inner: tuple[slice, ...] | None = None) -> tuple[slice, ...]:
+        """The box of the stored tensor that the ``pos``-th entry's box ``inner`` (default: all of
+        it) fills."""
+        inner = inner if inner is not None else tuple(slice(None) for _ in layout.parse(self.part.layout))
+        return inner[:SCAN_AXIS] + tuple(slice(i, i + 1) for i in self.index(pos)) + inner[SCAN_AXIS:]
+
+    def stacked(self, x: np.ndarray) -> np.ndarray:
+        """One entry's values with the stacked axes (of length 1) inserted."""
+        for _ in self.stack:
+            x = np.expand_dims(x, SCAN_AXIS)
+        return x
+
+    def one(self, x: np.ndarray) -> np.ndarray:
+        """The values of one entry from its box of the stored tensor (:meth:`stacked` undone)."""
+        for _ in self.stack:
+            x = np.take(x, 0, axis=SCAN_AXIS)
+        return x
+
+
+def scanned_layout(unscanned: str, n: int = 1) -> str:
+    """``unscanned`` with ``n`` stacked axes inserted at :data:`SCAN_AXIS`."""
     groups = [g[0] if len(g) == 1 else f"({' '.join(g)})" for g in layout.parse(unscanned)]
-    return " ".join(groups[:SCAN_AXIS] + [LAYER_AXIS] + groups[SCAN_AXIS:])
+    return " ".join(groups[:SCAN_AXIS] + list(STACK_AXES[:n]) + groups[SCAN_AXIS:])
 
 
-def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool) -> list[Leaf]:
-    """The MaxText parameters of ``entries`` (:func:`ckptbridge.mapping.entries`), model-scope
-    first, then layer rows in rule order. A MismatchError when a row has no MaxText name, or when
-    scanning meets layers whose rows or sizes differ (MaxText scans identical layers only)."""
+def _first_key(e: mapping.Entry) -> str:
+    return (e.hf_keys or e.absent_keys or (e.rule.name,))[0]
+
+
+def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool,
+         flags: Mapping[str, bool] | None = None) -> list[Leaf]:
+    """The MaxText parameters of ``entries`` (:func:`ckptbridge.mapping.entries`) of a model with
+    model flags ``flags``, model-scope first, then layer rows. Rows HF lacks on a layer
+    (``hf_absent``: Gemma 4's kv-shared layers) have no MaxText parameter either. A MismatchError
+    when a row has no MaxText name, or when scanning meets stacked layers whose rows or sizes
+    differ (MaxText scans identical layers only) or layers past the last whole block."""
+    flags = dict(flags or {})
+    if scan_layers and spec.no_scan_when and flags.get(spec.no_scan_when):
+        raise UnsupportedError("MaxText has no scanned form of this model (its decoder block does not scan); "
+                               "convert without --scan-layers")
     out: list[Leaf] = []
-    by_rule: dict[str, list[mapping.Entry]] = {}
+    stacks: dict[tuple[str, str], dict[int, tuple[int, mapping.Entry]]] = {}  # (group, path) -> layer -> (pos, e)
+    scan = spec.scan
+    n_layers = len({e.layer.index for e in entries if e.layer is not None})
+    blocks = n_layers // scan.period
     for e in entries:
-        name = spec.names.get(e.rule.name)
-        if name is None:
-            raise MismatchError(f"{e.hf_keys[0] if e.hf_keys else e.rule.name}: MaxText has no parameter for "
-                                f"this tensor ({e.rule.name})")
-        path, lay = name
-        if e.layer is None:
-            out.append(Leaf(tuple(path.split("/")), lay, e.sizes, (e,)))
-        elif not scan_layers:
-            out.append(Leaf(("decoder", f"layers_{e.layer.index}", *path.split("/")), lay, e.sizes, (e,)))
-        else:
-            by_rule.setdefault(e.rule.name, []).append(e)
-    layers = {e.layer.index for e in entries if e.layer is not None}
-    for rule, rows in by_rule.items():
-        path, lay = spec.names[rule]
-        if len(rows) != len(layers) or any(layout.shape(lay, r.sizes) != layout.shape(lay, rows[0].sizes)
-                                           for r in rows):
-            raise MismatchError(f"{rows[0].hf_keys[0]}: the layers differ in this tensor ({rule}), and MaxText "
-                                "scans identical layers only; convert without --scan-layers")
-        out.append(Leaf(("decoder", "layers", *path.split("/")), scanned_layout(lay),
-                        {**rows[0].sizes, LAYER_AXIS: len(rows)}, tuple(rows)))
+        if e.layer is not None and not e.hf_keys:
+            continue
+        parts = spec.parts(e.rule.name, {**flags, **(e.layer.flags if e.layer is not None else {})})
+        if parts is None:
+            raise MismatchError(f"{_first_key(e)}: MaxText has no parameter for this tensor ({e.rule.name})")
+        for part in parts:
+            sizes = dict(e.sizes)
+            if e.layer is None:
+                out.append(Leaf(tuple(part.path.split("/")), part.layout, sizes, (e,), part))
+                continue
+            i = e.layer.index
+            if not scan_layers:
+                out.append(Leaf(("decoder", f"layers_{i}", *part.path.split("/")), part.layout, sizes, (e,), part))
+                continue
+            b, pos = divmod(i, scan.period)
+            if b >= blocks:
+                if scan.remainder is None:
+                    raise MismatchError(f"{_first_key(e)}: MaxText scans whole blocks of {scan.period} layers and "
+                                        f"this model has {n_layers}; convert without --scan-layers")
+                module = scan.remainder.format(r=i - blocks * scan.period).split("/")
+                out.append(Leaf(("decoder", *module, *part.path.split("/")), part.layout, sizes, (e,), part))
+                continue
+            group = next(g for g, positions in scan.groups if pos in positions)
+            stacks.setdefault((group, part.path), {})[i] = (pos, e)
+    for (group, path), layers in stacks.items():
+        positions = dict(scan.groups)[group]
+        rows = [layers.get(b * scan.period + p, (p, None))[1] for b in range(blocks) for p in positions]
+        first = next(r for r in rows if r is not None)
+        layer_flags = first.layer.flags if first.layer is not None else {}
+        part = next(pt for pt in spec.parts(first.rule.name, {**flags, **layer_flags}) or () if pt.path == path)
+        if any(r is None or r.rule.name != first.rule.name
+               or layout.shape(part.layout, r.sizes) != layout.shape(part.layout, first.sizes) for r in rows):
+            raise MismatchError(f"{_first_key(first)}: the layers differ in this tensor ({first.rule.name}), and "
+                                "MaxText scans identical layers only; convert without --scan-layers")
+        stack = (blocks,) if len(positions) == 1 else (blocks, len(positions))
+        sizes = {**first.sizes, **dict(zip(STACK_AXES, stack))}
+        out.append(Leaf(("decoder", *group.split("/"), *path.split("/")), scanned_layout(part.layout, len(stack)),
+                        sizes, tuple(rows), part, stack))  # type: ignore[arg-type]  # no None left
     return out
 
 
@@ -118,11 +177,23 @@ def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
     return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
 
 
+def _embed_scaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    """``x * sqrt(n)`` with a float32 scalar, in float32, cast back (MaxText's Gemma 2/4
+    ``pad_hf_embedding_layer``: NumPy 2 promotes a bf16 array times a float32 scalar to float32)."""
+    return (x.astype(np.float32) * np.float32(np.sqrt(n))).astype(x.dtype)
+
+
+def _embed_unscaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    """``x / sqrt(n)`` the same way (its way back: a division, not a product with the inverse)."""
+    return (x.astype(np.float32) / np.float32(np.sqrt(n))).astype(x.dtype)
+
+
 TRANSFORMS = {t.name: t for t in (
     Transform("rope_interleave", "h", True, _interleave, _deinterleave, "adjust_rope"),
     Transform("query_scale", "h", False,
               lambda x, ax, n: _scaled(x, 1 / np.sqrt(n)), lambda x, ax, n: _scaled(x, np.sqrt(n)),
               "scale_query_layer"),
+    Transform("embed_scale", "d", False, _embed_scaled, _embed_unscaled, "pad_hf_embedding_layer"),
 )}
 
 

@@ -34,7 +34,10 @@ class _Lazy(dict):
 
 # MaxText's own mapping and hooks for tiny configs per family row (scripts/maxtext_expected.py)
 MAXTEXT_EXPECTED = os.path.join(ROOT, "tests", "data", "maxtext", "expected.json")
-MAXTEXT_ROWS = ["qwen3-dense", "qwen3-moe", "qwen2.5", "llama3.1"]  # the rows ckptbridge converts so far
+# the rows ckptbridge converts so far (MaxText has no scanned Gemma 4 E2B/E4B)
+MAXTEXT_ROWS = [f"{family}/{scan}" for family in ("qwen3-dense", "qwen3-moe", "qwen2.5", "llama3.1", "gemma4-dense",
+                                                  "gemma4-moe") for scan in ("scanned", "unscanned")] + \
+    ["gemma4-small/unscanned"]
 
 
 @pytest.fixture(scope="session")

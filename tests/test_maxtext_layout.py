@@ -12,26 +12,35 @@ from ckptbridge.errors import MismatchError
 from ckptbridge.maxtext_layout import plan
 
 
+def _hf_of(leaf, e):
+    """The HF key(s) of one row of ``leaf`` as MaxText's mapping writes them."""
+    keys = e.hf_keys
+    if leaf.part.select and e.rule.stack_axis == leaf.part.select[0]:  # one HF tensor per part (k, v)
+        keys = (keys[leaf.part.select[1]],)
+    return keys[0] if len(keys) == 1 else list(keys)
+
+
 def _ours(row: dict) -> dict:
     hf = row["hf_config"]
     spec = specs.family_for(hf)
     cfg = spec.parse_config(hf, "expected.json")
-    leaves = plan(mapping.entries(cfg, spec, "model."), spec.maxtext, row["scan_layers"])
+    leaves = plan(mapping.entries(cfg, spec, cfg.default_key_prefix), spec.maxtext, row["scan_layers"], cfg.flags)
     out = {}
     for leaf in leaves:
-        keys = [e.hf_keys for e in leaf.entries]
-        if len(leaf.entries) > 1:  # one per layer; stacked experts: [[expert 0 of every layer], ...]
-            hf_keys = ([list(k) for k in zip(*keys)] if len(keys[0]) > 1 else [k[0] for k in keys])
+        keys = [_hf_of(leaf, e) for e in leaf.entries]
+        if len(leaf.stack) == 2:  # blocks of nested positions
+            hf_keys = [keys[b * leaf.stack[1]:(b + 1) * leaf.stack[1]] for b in range(leaf.stack[0])]
+        elif leaf.stack:  # one per layer; stacked experts: [[expert 0 of every layer], ...]
+            hf_keys = [list(k) for k in zip(*keys)] if isinstance(keys[0], list) else keys
         else:
-            hf_keys = keys[0][0] if len(keys[0]) == 1 else list(keys[0])
+            hf_keys = keys[0]
         out[leaf.key] = {"maxtext_shape": list(leaf.shape), "hf": hf_keys}
     return out
 
 
-@pytest.mark.parametrize("scan", ["scanned", "unscanned"])
-@pytest.mark.parametrize("family", MAXTEXT_ROWS)
-def test_keys_shapes_and_hf_tensors_are_maxtexts(maxtext_rows, family, scan):
-    row = maxtext_rows[f"{family}/{scan}"]
+@pytest.mark.parametrize("name", MAXTEXT_ROWS)
+def test_keys_shapes_and_hf_tensors_are_maxtexts(maxtext_rows, name):
+    row = maxtext_rows[name]
     ours = _ours(row)
     theirs = {k: {"maxtext_shape": v["maxtext_shape"], "hf": v["hf"]} for k, v in row["keys"].items()}
     assert sorted(ours) == sorted(theirs)

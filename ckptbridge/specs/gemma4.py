@@ -27,7 +27,7 @@ from typing import Any
 from ckptbridge.config import FULL, SLIDING, Experts, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs import ggml
+from ckptbridge.specs import ggml, maxtext
 from ckptbridge.specs.base import FamilySpec, ModelType, PeftParam, TensorRule, TunixModel
 
 R = TensorRule
@@ -541,4 +541,5 @@ GEMMA4 = FamilySpec(
     vocab_axes=("v", "u"),  # u: the per-layer embeddings' own vocabulary
     vllm_tiny=VLLM_DIMS,
     gguf={"gemma4": GGUF, "gemma4_text": GGUF},
+    maxtext=maxtext.GEMMA4,
 )

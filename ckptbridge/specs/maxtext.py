@@ -15,14 +15,60 @@ from collections.abc import Mapping
 
 
 @dataclasses.dataclass(frozen=True)
-class MaxTextSpec:
-    """``names``: rule name -> (MaxText path, MaxText layout). A rule without a name has no
-    MaxText parameter (the family's MaxText model has none). ``transforms``: rule name -> the
-    value transforms MaxText's conversion applies to it, by name
-    (``ckptbridge.maxtext_layout.TRANSFORMS``), on the way to MaxText, after the layout change."""
+class Part:
+    """One MaxText parameter of a row: its path (relative to the layer's module for layer rows),
+    its layout over the row's axes, and ``select`` = (axis, index) where the row fuses several of
+    MaxText's parameters along one of its axes (Gemma's ``kv``: key and value along ``c``; fused
+    expert gate and up along ``g``): this parameter is that index of the row."""
 
-    names: Mapping[str, tuple[str, str]]
+    path: str
+    layout: str
+    select: tuple[str, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """How MaxText stacks the layers with ``scan_layers``: in blocks of ``period`` layers, each
+    group of positions in a block one module (``groups``: module path under ``decoder`` ->
+    positions). A group of one position stacks its layers on axis 1; a group of several nests
+    them, blocks on axis 1 and positions on axis 2 (Gemma 4's ``scanned_blocks/local_layers``).
+    Layers past the last whole block sit in ``remainder`` (``{r}``: their index past it), unstacked;
+    None: MaxText has no form for them."""
+
+    period: int = 1
+    groups: tuple[tuple[str, tuple[int, ...]], ...] = (("layers", (0,)),)
+    remainder: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextSpec:
+    """``names``: rule name -> (MaxText path, MaxText layout), or the :class:`Part` tuple of a row
+    that is several MaxText parameters. A rule without a name has no MaxText parameter (the
+    family's MaxText model has none). ``when``: layer flag -> names that replace those of
+    ``names`` on layers with the flag (Gemma 4's dense MLP sits under ``moe_block/shared_experts``
+    in its MoE layers). ``transforms``: rule name -> the value transforms MaxText's conversion
+    applies to it, by name (``ckptbridge.maxtext_layout.TRANSFORMS``), on the way to MaxText,
+    after the layout change. ``scan``: how ``scan_layers`` stacks the layers; ``no_scan_when``:
+    a model flag under which MaxText has no scanned form (Gemma 4 E2B/E4B)."""
+
+    names: Mapping[str, tuple[str, str] | tuple[Part, ...]]
     transforms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    when: Mapping[str, Mapping[str, tuple[str, str] | tuple[Part, ...]]] = dataclasses.field(default_factory=dict)
+    scan: Scan = Scan()
+    no_scan_when: str | None = None
+
+    def parts(self, rule: str, flags: Mapping[str, bool]) -> tuple[Part, ...] | None:
+        """The MaxText parameters of ``rule`` on a layer with ``flags`` (None: MaxText has none)."""
+        name = self.names.get(rule)
+        for flag, names in self.when.items():
+            if flags.get(flag) and rule in names:
+                name = names[rule]
+        if name is None:
+            return None
+        if isinstance(name[0], Part):
+            return tuple(name)
+        path, lay = name
+        return (Part(path, lay),)
 
 
 # The rows of ckptbridge.specs.dfirst (Qwen 3 dense and MoE, Qwen 2.5, Llama 3), as MaxText's
@@ -56,3 +102,50 @@ DFIRST = MaxTextSpec({
 # query at run time, so 1/sqrt(head_dim) is folded into the query kernel, and its RoPE pairs
 # adjacent features, so q and k go from HF's half-split order to interleaved.
 LLAMA3 = dataclasses.replace(DFIRST, transforms={"q": ("rope_interleave", "query_scale"), "k": ("rope_interleave",)})
+
+# Gemma 4 (GEMMA4_MAXTEXT_TO_HF_PARAM_MAPPING and GEMMA4_SMALL_...): separate key and value kernels
+# (none for the value on k_eq_v layers), the fused expert gate/up split in two, the embedding
+# stored times sqrt(hidden) (a float32 scalar), norms as HF stores them. Scanned: blocks of five
+# local layers nested under one global layer (31B, 26B-A4B); E2B/E4B have no scanned form.
+_NORMS = {"pre_attn_norm": ("pre_self_attention_norm/scale", "d"),
+          "post_attn_norm": ("post_self_attention_norm/scale", "d"),
+          "pre_ffw_norm": ("pre_ffw_norm/scale", "d"), "post_ffw_norm": ("post_ffw_norm/scale", "d")}
+GEMMA4 = MaxTextSpec(
+    names={
+        "embed": ("token_embedder/embedding", "v d"),
+        "final_norm": ("decoder/decoder_norm/scale", "d"),
+        "ple_embed": ("decoder/per_layer_embedder/embed_tokens_per_layer", "u (l p)"),
+        "ple_projection": ("decoder/per_layer_embedder/per_layer_model_projection/kernel", "d (l p)"),
+        "ple_norm": ("decoder/per_layer_embedder/per_layer_projection_norm/scale", "p"),
+        "q": ("self_attention/query/kernel", "d n h"),
+        "kv": (Part("self_attention/key/kernel", "d k h", ("c", 0)),
+               Part("self_attention/value/kernel", "d k h", ("c", 1))),
+        "k": ("self_attention/key/kernel", "d k h"),
+        "o": ("self_attention/out/kernel", "n h d"),
+        "q_norm": ("self_attention/query_norm/scale", "h"),
+        "k_norm": ("self_attention/key_norm/scale", "h"),
+        "gate": ("mlp/wi_0/kernel", "d f"),
+        "up": ("mlp/wi_1/kernel", "d f"),
+        "down": ("mlp/wo/kernel", "f d"),
+        **_NORMS,
+        "layer_scalar": ("layer_scalar", "one"),
+        "ple_gate": ("per_layer_input_gate/kernel", "d p"),
+        "ple_proj": ("per_layer_projection/kernel", "p d"),
+        "ple_post_norm": ("post_per_layer_input_norm/scale", "d"),
+        "router": ("mlp/moe_block/MoeBlock_0/gate/kernel", "d e"),
+        "router_scale": ("mlp/pre_forward_scale_2", "d"),
+        "expert_scale": ("mlp/moe_block/MoeBlock_0/per_expert_scale", "e"),
+        "experts_gate_up": (Part("mlp/moe_block/MoeBlock_0/wi_0", "e d m", ("g", 0)),
+                            Part("mlp/moe_block/MoeBlock_0/wi_1", "e d m", ("g", 1))),
+        "experts_down": ("mlp/moe_block/MoeBlock_0/wo", "e m d"),
+        "moe_pre_ffw_norm": ("mlp/pre_feedforward_layernorm_2/scale", "d"),
+        "dense_post_ffw_norm": ("mlp/post_feedforward_layernorm_1/scale", "d"),
+        "moe_post_ffw_norm": ("mlp/post_feedforward_layernorm_2/scale", "d"),
+    },
+    when={"moe": {"gate": ("mlp/moe_block/shared_experts/wi_0/kernel", "d f"),
+                  "up": ("mlp/moe_block/shared_experts/wi_1/kernel", "d f"),
+                  "down": ("mlp/moe_block/shared_experts/wo/kernel", "f d")}},
+    transforms={"embed": ("embed_scale",)},
+    scan=Scan(6, (("scanned_blocks/local_layers", (0, 1, 2, 3, 4)), ("scanned_blocks/global_layer", (5,)))),
+    no_scan_when="ple",
+)
