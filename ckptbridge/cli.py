@@ -131,7 +131,8 @@ def cmd_s2m(args) -> int:
     _emit(args, convert_safetensors_to_maxtext(args.src, args.dst, scan_layers=args.scan_layers,
                                                overwrite=args.overwrite, skip_multimodal=args.skip_multimodal,
                                                chunk_size=_size(args, "chunk_size"),
-                                               compression=not args.no_compression, **_parallel(args),
+                                               compression=not args.no_compression,
+                                               vocab_size=args.vocab_size, **_parallel(args),
                                                progress=_progress(args), revision=args.revision))
     return 0
 
@@ -416,6 +417,9 @@ def add_s2m(csub) -> None:
                            "a scanned tensor is stored one layer per chunk")
     sp.add_argument("--no-compression", action="store_true",
                     help="store the chunks without zstd: faster to write and read, larger on disk (MaxText reads both)")
+    sp.add_argument("--vocab-size", type=int, metavar="N",
+                    help="MaxText's vocab_size where its model config pads the embedding (rows past the model's "
+                    "are zeros; default: MaxText's own for the model, e.g. 256128 for Gemma 2's 256000)")
     _parallel_options(sp, "read, rearrange and transform pieces while TensorStore encodes and writes earlier ones",
                       CODEC_VERB_WORKERS)
     _revision_option(sp, "SRC")

@@ -18,6 +18,7 @@ import functools
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -31,7 +32,7 @@ from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import copy_assets, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor
-from ckptbridge.maxtext_layout import Leaf, apply, transforms_of
+from ckptbridge.maxtext_layout import Leaf, apply, stored_dtype, transforms_of
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.progress import Progress
 from ckptbridge.sources import ASSETS_DIR, HFSource, _config_from_option, more, open_hf_source
@@ -104,7 +105,7 @@ def _leaf_to_maxtext(source: HFSource, leaf: Leaf, spec, chunk_bytes: int) -> or
     whole row, of which it takes its index."""
     lay, whole_lay, sel = leaf.part.layout, _whole_layout(leaf), leaf.part.select
     transforms = transforms_of(spec, leaf.entries[0].rule.name)
-    dtype = source.dtype(leaf.entries[0])
+    dtype = stored_dtype(source.dtype(leaf.entries[0]), transforms)
 
     def pick(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x[sel[1]]) if sel else x
@@ -116,6 +117,8 @@ def _leaf_to_maxtext(source: HFSource, leaf: Leaf, spec, chunk_bytes: int) -> or
         x = pick(source.tunix_block(blocks, i, j))
         return leaf.stacked(apply(x, lay, blocks.sizes(i, j), transforms, True))
 
+    if leaf.part.pad and leaf.sizes[leaf.part.pad] != leaf.entries[0].sizes[leaf.part.pad]:
+        return _padded_leaf(source, leaf, dtype, transforms, chunk_bytes)
     pieces: list = []
     chunks: tuple[int, ...] = ()
     skip = 1 if sel else 0  # the selected axis leads the blocks' regions
@@ -140,9 +143,33 @@ def _leaf_to_maxtext(source: HFSource, leaf: Leaf, spec, chunk_bytes: int) -> or
     return orbax_io.LazyArray(leaf.shape, dtype, chunks=chunks, pieces=pieces, held=HELD_PER_BYTE)
 
 
+def _padded_leaf(source: HFSource, leaf: Leaf, dtype: np.dtype, transforms, chunk_bytes: int) -> orbax_io.LazyArray:
+    """A model tensor that MaxText holds more of along its first axis (the vocabulary): in row
+    blocks of MaxText's length, the rows past HF's zeros (as to_maxtext pads)."""
+    e = _as(leaf.entries[0], leaf.part.layout)
+    blocks = mapping.blocks(e)
+    if layout.parse(leaf.part.layout)[0] != (leaf.part.pad,) or blocks is None or blocks.axis != leaf.part.pad:
+        raise UnsupportedError(f"{e.hf_keys[0]}: MaxText pads it along an axis ckptbridge cannot pad")
+    have, want = blocks.count, leaf.shape[0]
+    row_bytes = math.prod(leaf.shape[1:]) * dtype.itemsize
+    per = max(1, chunk_bytes // max(1, row_bytes))
+
+    def rows(a: int, b: int) -> np.ndarray:
+        out = np.zeros((b - a, *leaf.shape[1:]), dtype)
+        if a < have:
+            x = source.tunix_block(blocks, a, min(b, have))
+            out[:len(x)] = apply(x, leaf.part.layout, blocks.sizes(a, min(b, have)), transforms, True)
+        return out
+
+    pieces = [((slice(a, min(a + per, want)),) + tuple(slice(None) for _ in leaf.shape[1:]),
+               functools.partial(rows, a, min(a + per, want))) for a in range(0, want, per)]
+    return orbax_io.LazyArray(leaf.shape, dtype, chunks=(per, *leaf.shape[1:]), pieces=pieces, held=HELD_PER_BYTE)
+
+
 def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = False, overwrite: bool = False,
                                    skip_multimodal: bool = False, chunk_size: str | int = DEFAULT_CHUNK_SIZE,
-                                   compression: bool = True, workers: int | None = None,
+                                   compression: bool = True, vocab_size: int | None = None,
+                                   workers: int | None = None,
                                    memory_budget: str | int | None = None, progress: bool | None = None,
                                    revision: str | None = None) -> ToMaxTextReport:
     """HF model directory -> MaxText checkpoint (``dst/0/items``, what MaxText's ``to_maxtext``
@@ -152,7 +179,9 @@ def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = Fa
     Streaming as :func:`ckptbridge.convert.convert_safetensors_to_orbax`: pieces of at most
     ``chunk_size`` (one layer of a scanned tensor, or row blocks of a larger one) made on
     ``workers`` threads within ``memory_budget``. ``compression=False`` stores the chunks without
-    zstd (Orbax and MaxText read either)."""
+    zstd (Orbax and MaxText read either). ``vocab_size``: MaxText's vocabulary where its model
+    config pads the embedding (default: what its published configs use for the model's, e.g.
+    Gemma 2's 256128 for 256000; otherwise the model's own)."""
     t0 = time.perf_counter()
     deps.require("orbax")
     chunk_bytes = options.size("chunk_size", chunk_size)
@@ -163,7 +192,7 @@ def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = Fa
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source, parallel.engine("s2m") as engine:
         spec = _maxtext_spec(source.spec, src)
         specs.note_mismatch(source.cfg)
-        leaves = maxtext_layout.plan(source.entries, spec, scan_layers, source.cfg.flags)
+        leaves = maxtext_layout.plan(source.entries, spec, scan_layers, source.cfg.flags, vocab=vocab_size)
         flat = {ROOT + leaf.path: _leaf_to_maxtext(source, leaf, spec, chunk_bytes) for leaf in leaves}
         total = sum(leaf.nbytes for leaf in flat.values())
         bar = Progress(total, "safetensors -> maxtext", enabled=progress)
@@ -306,6 +335,9 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
                             f"{'scanned' if scanned else 'unscanned'}; the checkpoint is inconsistent")
     ents = mapping.entries(cfg, spec, prefix)
     leaves = maxtext_layout.plan(ents, mt, scanned, cfg.flags)
+    padded = [leaf for leaf in leaves if leaf.part.pad and leaf.path in params]
+    if padded:  # MaxText's vocabulary is what its embedding holds
+        leaves = maxtext_layout.plan(ents, mt, scanned, cfg.flags, vocab=params[padded[0].path][0][0])
     expected = {leaf.path: leaf for leaf in leaves}
     form = "scanned" if scanned else "unscanned"
     missing = [p for p in expected if p not in params]
@@ -361,11 +393,12 @@ def _read(source: MaxTextSource, leaf: Leaf, region: tuple[slice, ...] | None) -
 def _span(leaf: Leaf, i: int, j: int) -> tuple[tuple[slice, ...] | None, Callable[[np.ndarray, int], np.ndarray]]:
     """The box of the stored tensor that entries ``i:j`` fill, and how to take entry ``pos`` out of it."""
     if j - i == 1:
-        return (leaf.region(i) if leaf.stack else None), lambda x, pos: leaf.one(x)
+        return leaf.region(i), lambda x, pos: leaf.one(x)
     return None, lambda x, pos: leaf.one(x[leaf.region(pos)])
 
 
-def _unit_pieces(source: MaxTextSource, leaves: list[Leaf], transforms, i: int, j: int) -> list[Piece]:
+def _unit_pieces(source: MaxTextSource, leaves: list[Leaf], transforms, dtype: np.dtype, i: int,
+                 j: int) -> list[Piece]:
     """The HF tensors of entries ``i:j`` of ``leaves`` (one leaf, or the parts of a fused row in
     order), read from the stored tensors."""
     region, take = _span(leaves[0], i, j)
@@ -376,14 +409,15 @@ def _unit_pieces(source: MaxTextSource, leaves: list[Leaf], transforms, i: int, 
                 for x, leaf in zip(xs, leaves)]
         e = _as(leaves[0].entries[pos], _whole_layout(leaves[0]))
         value = np.stack(vals) if leaves[0].part.select else vals[0]
-        out += list(zip(e.hf_keys, mapping.tunix_to_hf(e, value)))
+        out += [(k, v.astype(dtype, copy=False)) for k, v in zip(e.hf_keys, mapping.tunix_to_hf(e, value))]
     return out
 
 
-def _box_pieces(source: MaxTextSource, leaf: Leaf, pos: int, blocks: mapping.Blocks, transforms,
+def _box_pieces(source: MaxTextSource, leaf: Leaf, pos: int, blocks: mapping.Blocks, transforms, dtype: np.dtype,
                 i: int, j: int) -> list[Piece]:
     box = leaf.one(_read(source, leaf, leaf.region(pos, blocks.tunix_region(i, j))))
     hf = blocks.to_hf(apply(box, leaf.part.layout, blocks.sizes(i, j), transforms, False), i, j)
+    hf = hf.astype(dtype, copy=False)
     keys = blocks.entry.hf_keys
     return [(keys[0], hf)] if not blocks.keyed else [(keys[n], hf[n - i]) for n in range(i, j)]
 
@@ -406,9 +440,10 @@ def _units(source: MaxTextSource) -> list[list[Leaf]]:
     return out
 
 
-def _unit_jobs(source: MaxTextSource, leaves: list[Leaf], chunk_bytes: int) -> tuple[list[Job], Tensors]:
-    """The jobs that make the HF tensors of ``leaves`` (one leaf, or the parts of a fused row),
-    and (entry, HF key, pieces) in the order they come."""
+def _unit_jobs(source: MaxTextSource, leaves: list[Leaf], chunk_bytes: int,
+               dtype: np.dtype) -> tuple[list[Job], Tensors]:
+    """The jobs that make the HF tensors of ``leaves`` (one leaf, or the parts of a fused row) in
+    ``dtype``, and (entry, HF key, pieces) in the order they come."""
     leaf = leaves[0]
     transforms = transforms_of(source.spec.maxtext, leaf.entries[0].rule.name)
     itemsize = source.dtype(leaf).itemsize
@@ -426,15 +461,28 @@ def _unit_jobs(source: MaxTextSource, leaves: list[Leaf], chunk_bytes: int) -> t
             ranges = blocks.ranges(_per_block(blocks, nbytes, chunk_bytes), align)
         if blocks is None or ranges is None or len(ranges) < 2:
             jobs.append((HELD_PER_BYTE * nbytes * (j - i),
-                         functools.partial(_unit_pieces, source, leaves, transforms, i, j)))
+                         functools.partial(_unit_pieces, source, leaves, transforms, dtype, i, j)))
             tensors += [(leaf.entries[p], key, 1) for p in range(i, j) for key in leaf.entries[p].hf_keys]
             continue
         for a, b in ranges:
             jobs.append((HELD_PER_BYTE * nbytes * (b - a) // blocks.count,
-                         functools.partial(_box_pieces, source, leaf, i, blocks, transforms, a, b)))
+                         functools.partial(_box_pieces, source, leaf, i, blocks, transforms, dtype, a, b)))
         tensors += ([(leaf.entries[i], e.hf_keys[0], len(ranges))] if not blocks.keyed
                     else [(leaf.entries[i], key, 1) for key in e.hf_keys])
     return jobs, tensors
+
+
+def _widened(source: MaxTextSource, leaf: Leaf) -> bool:
+    return any(t.widens for t in transforms_of(source.spec.maxtext, leaf.entries[0].rule.name))
+
+
+def _hf_dtype(source: MaxTextSource, leaf: Leaf) -> np.dtype:
+    """The dtype ``leaf``'s HF tensors are written in: as stored, but for the tensors MaxText
+    widens to float32 (Gemma's norms + 1), which take the dtype of the checkpoint's others."""
+    if not _widened(source, leaf):
+        return source.dtype(leaf)
+    others = Counter(source.dtype(x) for x in source.leaves if not _widened(source, x))
+    return others.most_common(1)[0][0] if others else source.dtype(leaf)
 
 
 def convert_maxtext_to_safetensors(src: str, dst: str, *, config: str | None = None, step: int | None = None,
@@ -459,9 +507,10 @@ def convert_maxtext_to_safetensors(src: str, dst: str, *, config: str | None = N
         jobs: list[Job] = []
         tensors: list[tuple[mapping.Entry, str, int, np.dtype]] = []
         for unit in _units(source):
-            unit_jobs, unit_tensors = _unit_jobs(source, unit, chunk_bytes)
+            dtype = _hf_dtype(source, unit[0])
+            unit_jobs, unit_tensors = _unit_jobs(source, unit, chunk_bytes, dtype)
             jobs += unit_jobs
-            tensors += [(e, key, n, source.dtype(unit[0])) for e, key, n in unit_tensors]
+            tensors += [(e, key, n, dtype) for e, key, n in unit_tensors]
         parts: Parts = Parts(engine.stream(jobs))
         planned = [PlannedTensor(key, dtype, e.hf_shape, functools.partial(parts.take, key)) if n == 1 else
                    PlannedTensor(key, dtype, e.hf_shape, chunks=functools.partial(parts.take_many, key, n))

@@ -53,7 +53,8 @@ class Leaf:
     def region(self, pos: int, inner: tuple[slice, ...] | None = None) -> tuple[slice, ...]:
         """The box of the stored tensor that the ``pos``-th entry's box ``inner`` (default: all of
         it) fills."""
-        inner = inner if inner is not None else tuple(slice(None) for _ in layout.parse(self.part.layout))
+        if inner is None:  # the entry's own extent (short of a padded axis's end)
+            inner = tuple(slice(0, n) for n in layout.shape(self.part.layout, self.entries[pos].sizes))
         return inner[:SCAN_AXIS] + tuple(slice(i, i + 1) for i in self.index(pos)) + inner[SCAN_AXIS:]
 
     def stacked(self, x: np.ndarray) -> np.ndarray:
@@ -79,22 +80,30 @@ def _first_key(e: mapping.Entry) -> str:
     return (e.hf_keys or e.absent_keys or (e.rule.name,))[0]
 
 
+def _suffixed(path: str, suffix: str) -> tuple[str, ...]:
+    names = path.split("/")
+    return (names[0] + suffix, *names[1:])
+
+
 def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool,
-         flags: Mapping[str, bool] | None = None) -> list[Leaf]:
+         flags: Mapping[str, bool] | None = None, vocab: int | None = None) -> list[Leaf]:
     """The MaxText parameters of ``entries`` (:func:`ckptbridge.mapping.entries`) of a model with
     model flags ``flags``, model-scope first, then layer rows. Rows HF lacks on a layer
     (``hf_absent``: Gemma 4's kv-shared layers) have no MaxText parameter either. A MismatchError
     when a row has no MaxText name, or when scanning meets stacked layers whose rows or sizes
-    differ (MaxText scans identical layers only) or layers past the last whole block."""
+    differ (MaxText scans identical layers only) or layers past the last whole block. A part
+    with ``pad`` holds ``vocab`` (default: the spec's MaxText vocabulary for HF's) along it."""
     flags = dict(flags or {})
     if scan_layers and spec.no_scan_when and flags.get(spec.no_scan_when):
         raise UnsupportedError("MaxText has no scanned form of this model (its decoder block does not scan); "
                                "convert without --scan-layers")
     out: list[Leaf] = []
-    stacks: dict[tuple[str, str], dict[int, tuple[int, mapping.Entry]]] = {}  # (group, path) -> layer -> (pos, e)
+    stacks: dict[tuple[int, str], dict[int, mapping.Entry]] = {}  # (group, part path) -> layer -> row
     scan = spec.scan
     n_layers = len({e.layer.index for e in entries if e.layer is not None})
     blocks = n_layers // scan.period
+    if scan.suffixes and n_layers % scan.period:
+        raise MismatchError(f"MaxText holds this model's layers in groups of {scan.period} and it has {n_layers}")
     for e in entries:
         if e.layer is not None and not e.hf_keys:
             continue
@@ -103,38 +112,54 @@ def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool,
             raise MismatchError(f"{_first_key(e)}: MaxText has no parameter for this tensor ({e.rule.name})")
         for part in parts:
             sizes = dict(e.sizes)
+            if part.pad:
+                sizes[part.pad] = _padded(spec, part, e, vocab)
             if e.layer is None:
                 out.append(Leaf(tuple(part.path.split("/")), part.layout, sizes, (e,), part))
                 continue
             i = e.layer.index
-            if not scan_layers:
-                out.append(Leaf(("decoder", f"layers_{i}", *part.path.split("/")), part.layout, sizes, (e,), part))
-                continue
             b, pos = divmod(i, scan.period)
+            path = _suffixed(part.path, scan.suffixes[pos]) if scan.suffixes else tuple(part.path.split("/"))
+            if not scan_layers:
+                module = f"layers_{b if scan.suffixes else i}"
+                out.append(Leaf(("decoder", module, *path), part.layout, sizes, (e,), part))
+                continue
             if b >= blocks:
                 if scan.remainder is None:
                     raise MismatchError(f"{_first_key(e)}: MaxText scans whole blocks of {scan.period} layers and "
                                         f"this model has {n_layers}; convert without --scan-layers")
-                module = scan.remainder.format(r=i - blocks * scan.period).split("/")
-                out.append(Leaf(("decoder", *module, *part.path.split("/")), part.layout, sizes, (e,), part))
+                rest = scan.remainder.format(r=i - blocks * scan.period).split("/")
+                out.append(Leaf(("decoder", *rest, *path), part.layout, sizes, (e,), part))
                 continue
-            group = next(g for g, positions in scan.groups if pos in positions)
-            stacks.setdefault((group, part.path), {})[i] = (pos, e)
-    for (group, path), layers in stacks.items():
-        positions = dict(scan.groups)[group]
-        rows = [layers.get(b * scan.period + p, (p, None))[1] for b in range(blocks) for p in positions]
+            group = next(g for g, (_, positions) in enumerate(scan.groups) if pos in positions)
+            stacks.setdefault((group, part.path), {})[i] = e
+    for (group, part_path), layers in stacks.items():
+        module, positions = scan.groups[group]
+        rows = [layers.get(b * scan.period + p) for b in range(blocks) for p in positions]
         first = next(r for r in rows if r is not None)
         layer_flags = first.layer.flags if first.layer is not None else {}
-        part = next(pt for pt in spec.parts(first.rule.name, {**flags, **layer_flags}) or () if pt.path == path)
+        part = next(pt for pt in spec.parts(first.rule.name, {**flags, **layer_flags}) or () if pt.path == part_path)
+        path = (_suffixed(part_path, scan.suffixes[positions[0]]) if scan.suffixes
+                else tuple(part_path.split("/")))
         if any(r is None or r.rule.name != first.rule.name
                or layout.shape(part.layout, r.sizes) != layout.shape(part.layout, first.sizes) for r in rows):
             raise MismatchError(f"{_first_key(first)}: the layers differ in this tensor ({first.rule.name}), and "
                                 "MaxText scans identical layers only; convert without --scan-layers")
         stack = (blocks,) if len(positions) == 1 else (blocks, len(positions))
         sizes = {**first.sizes, **dict(zip(STACK_AXES, stack))}
-        out.append(Leaf(("decoder", *group.split("/"), *path.split("/")), scanned_layout(part.layout, len(stack)),
+        out.append(Leaf(("decoder", *module.split("/"), *path), scanned_layout(part.layout, len(stack)),
                         sizes, tuple(rows), part, stack))  # type: ignore[arg-type]  # no None left
     return out
+
+
+def _padded(spec: MaxTextSpec, part: Part, e: mapping.Entry, vocab: int | None) -> int:
+    """The length of ``part``'s padded axis in MaxText: ``vocab``, or the spec's for HF's."""
+    have = int(e.sizes[part.pad])
+    want = vocab if vocab is not None else spec.vocab.get(have, have)
+    if want < have:
+        raise MismatchError(f"{_first_key(e)}: MaxText's vocabulary ({want}) is smaller than the model's ({have}); "
+                            "give one at least as large")
+    return want
 
 
 # --------------------------------------------------------------------------- value transforms
@@ -148,11 +173,12 @@ class Transform:
     rounds once to the stored dtype."""
 
     name: str
-    axis: str
+    axis: str  # "" for element by element
     exact: bool
     to_maxtext: Callable[[np.ndarray, int, int], np.ndarray]  # (values, axis index, axis size)
     to_hf: Callable[[np.ndarray, int, int], np.ndarray]
     maxtext_hook: str  # the hook of MaxText's param_mapping.py that makes it
+    widens: bool = False  # MaxText stores its result as float32 whatever the source dtype
 
 
 def _pairs(x: np.ndarray, ax: int, n: int, split: tuple[int, int]) -> np.ndarray:
@@ -188,12 +214,40 @@ def _embed_unscaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
     return (x.astype(np.float32) / np.float32(np.sqrt(n))).astype(x.dtype)
 
 
+def _embed_scaled_bf16(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    """``x * sqrt(n)`` with the scalar rounded to bfloat16 first (MaxText's Gemma 3
+    ``pad_and_scale_embedding``, as HF Gemma 3 casts ``embed_scale`` to the weights' dtype)."""
+    return (x.astype(np.float32) * np.float32(_bf16(np.sqrt(n)))).astype(x.dtype)
+
+
+def _embed_unscaled_bf16(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    return (x.astype(np.float32) / np.float32(_bf16(np.sqrt(n)))).astype(x.dtype)
+
+
+def _bf16(v: float):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16(v)
+
+
+def _plus_one(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    """Gemma 2/3's RMSNorm weight ``w`` (HF computes ``x * (1 + w)``) as MaxText's scale ``1 + w``,
+    in float32 and kept so (MaxText's ``scale_rmsnorm``: NumPy 2 widens ``bf16 + 1.0``)."""
+    return x.astype(np.float32) + np.float32(1)
+
+
+def _minus_one(x: np.ndarray, ax: int, n: int) -> np.ndarray:
+    return x.astype(np.float32) - np.float32(1)
+
+
 TRANSFORMS = {t.name: t for t in (
     Transform("rope_interleave", "h", True, _interleave, _deinterleave, "adjust_rope"),
     Transform("query_scale", "h", False,
               lambda x, ax, n: _scaled(x, 1 / np.sqrt(n)), lambda x, ax, n: _scaled(x, np.sqrt(n)),
               "scale_query_layer"),
     Transform("embed_scale", "d", False, _embed_scaled, _embed_unscaled, "pad_hf_embedding_layer"),
+    Transform("embed_scale_bf16", "d", False, _embed_scaled_bf16, _embed_unscaled_bf16, "pad_and_scale_embedding"),
+    Transform("norm_plus_one", "", True, _plus_one, _minus_one, "scale_rmsnorm", widens=True),
 )}
 
 
@@ -206,6 +260,14 @@ def apply(x: np.ndarray, lay: str, sizes: Mapping[str, int], names: list[Transfo
     towards HF in reverse order."""
     groups = layout.parse(lay)
     for t in (names if to_maxtext else reversed(names)):
+        if not t.axis:  # element by element
+            x = (t.to_maxtext if to_maxtext else t.to_hf)(x, -1, 0)
+            continue
         ax = groups.index((t.axis,))  # a dimension of its own (the spec's layouts keep it so)
         x = (t.to_maxtext if to_maxtext else t.to_hf)(x, ax, int(sizes[t.axis]))
     return x
+
+
+def stored_dtype(dtype: np.dtype, names: list[Transform]) -> np.dtype:
+    """The dtype MaxText stores a tensor of ``dtype`` in after ``names``."""
+    return np.dtype(np.float32) if any(t.widens for t in names) else np.dtype(dtype)

@@ -30,6 +30,9 @@ each with scan_layers True and False where MaxText supports it. For every MaxTex
   tensors whose values follow from their names (`ckptbridge.testing.keyed_values`), as the eager path loads them;
   `sha256_to_hf`: of the HF tensors (bytes in `hf` order) that to_huggingface with `weight_dtype=bfloat16` makes
   from that MaxText tensor (restored as bf16, hooks, cast to bf16, reshaped to the HF shape);
+- `sha256_to_hf_f32` (only where to_maxtext widened the dtype: Gemma 2/3 norms): of the HF tensors that
+  to_huggingface with `weight_dtype=float32` makes (restored as stored, so the norm is not rounded to bf16
+  before 1 is taken off), cast to bf16;
 - `hf_reshaped` (only where true): to_huggingface's hooks give another shape of the same size and
   `_process` reshapes the result to the HF shape.
 
@@ -553,9 +556,22 @@ def build_row(mx: dict[str, types.ModuleType], row: Row, scan_layers: bool) -> d
         for hf_path, piece in to_hf_slices(key, pieces if isinstance(key, tuple) else pieces[0], hf_map[key], cfg):
             out = th.apply_hook_fns(piece, tuple(hf_shapes[hf_path]), hooks) if hooks else piece
             back += np.asarray(out.astype(jnp.bfloat16)).reshape(hf_shapes[hf_path]).tobytes()
+        # where to_maxtext widened the dtype (Gemma 2/3 norms +1 give float32): to_huggingface with
+        # weight_dtype float32 (restored as stored, no rounding before the hooks), cast to bf16 after
+        widened = any(mt_values[m].dtype != np.dtype(ml_dtypes.bfloat16) for m in members)
+        back32 = b""
+        if widened:
+            pieces32 = [jnp.asarray(mt_values[m], dtype=jnp.float32) for m in members]
+            for hf_path, piece in to_hf_slices(key, pieces32 if isinstance(key, tuple) else pieces32[0], hf_map[key],
+                                               cfg):
+                out = th.apply_hook_fns(piece, tuple(hf_shapes[hf_path]), hooks) if hooks else piece
+                back32 += np.asarray(out.astype(jnp.float32)).astype(ml_dtypes.bfloat16).reshape(
+                    hf_shapes[hf_path]).tobytes()
         for m in members:
             entry = keys[m]
             entry["sha256_to_hf"] = hashlib.sha256(back).hexdigest()
+            if widened:
+                entry["sha256_to_hf_f32"] = hashlib.sha256(back32).hexdigest()
             entry["hooks_to_hf"] = hook_names(hooks)
             if isinstance(key, tuple):
                 entry["hf_composite"] = members

@@ -34,10 +34,27 @@ class _Lazy(dict):
 
 # MaxText's own mapping and hooks for tiny configs per family row (scripts/maxtext_expected.py)
 MAXTEXT_EXPECTED = os.path.join(ROOT, "tests", "data", "maxtext", "expected.json")
-# the rows ckptbridge converts so far (MaxText has no scanned Gemma 4 E2B/E4B)
-MAXTEXT_ROWS = [f"{family}/{scan}" for family in ("qwen3-dense", "qwen3-moe", "qwen2.5", "llama3.1", "gemma4-dense",
-                                                  "gemma4-moe") for scan in ("scanned", "unscanned")] + \
+# every row of expected.json (MaxText has no scanned Gemma 4 E2B/E4B)
+MAXTEXT_FAMILIES = ("qwen3-dense", "qwen3-moe", "qwen2.5", "llama3.1", "gemma4-dense", "gemma4-moe", "gemma3", "gemma2")
+MAXTEXT_ROWS = [f"{family}/{scan}" for family in MAXTEXT_FAMILIES for scan in ("scanned", "unscanned")] + \
     ["gemma4-small/unscanned"]
+
+
+def maxtext_plan(row: dict) -> list:
+    """Our MaxText leaves (ckptbridge.maxtext_layout.plan) for a row of expected.json, with the HF
+    key prefix its keys use."""
+    from ckptbridge import mapping, specs
+    from ckptbridge.maxtext_layout import plan
+    from ckptbridge.sources import find_prefix
+
+    def flat(value):
+        return [value] if isinstance(value, str) else [k for v in value for k in flat(v)]
+
+    spec = specs.family_for(row["hf_config"])
+    cfg = spec.parse_config(row["hf_config"], "expected.json")
+    prefix = find_prefix(spec, [k for v in row["keys"].values() for k in flat(v["hf"])])
+    return plan(mapping.entries(cfg, spec, prefix), spec.maxtext, row["scan_layers"], cfg.flags,
+                vocab=row["maxtext_config"]["vocab_size"])
 
 
 @pytest.fixture(scope="session")

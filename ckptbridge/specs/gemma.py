@@ -21,7 +21,7 @@ from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import UnsupportedError
-from ckptbridge.specs import dfirst, ggml
+from ckptbridge.specs import dfirst, ggml, maxtext
 from ckptbridge.specs import gemma_rows as G
 from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 
@@ -230,4 +230,5 @@ GEMMA2 = FamilySpec(
     key_prefixes=("model.",), parse_config=parse_config, axes=G.AXES,
     model_flags=("fused_qkv", "split_qkv"), tied_keys=("lm_head.weight",), tunix=TUNIX,
     vllm_tiny={**VLLM_DIMS, **GEMMA2_VLLM}, gguf={"gemma2": GGUF2},
+    maxtext=maxtext.GEMMA2,
 )

@@ -24,7 +24,7 @@ from typing import Any
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs import ggml
+from ckptbridge.specs import ggml, maxtext
 from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
 
 RULES: tuple[TensorRule, ...] = (
@@ -284,4 +284,5 @@ GEMMA3 = FamilySpec(
                      mismatches=mismatches, trace_tokens=4, head=G.embedding_head),
     vllm_tiny=VLLM_DIMS,
     gguf={"gemma3_text": GGUF, "gemma3": GGUF},
+    maxtext=maxtext.GEMMA3,
 )

@@ -24,6 +24,7 @@ class Part:
     path: str
     layout: str
     select: tuple[str, int] | None = None
+    pad: str | None = None  # an axis MaxText may hold more of than HF (the vocabulary): zeros past HF's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +34,14 @@ class Scan:
     positions). A group of one position stacks its layers on axis 1; a group of several nests
     them, blocks on axis 1 and positions on axis 2 (Gemma 4's ``scanned_blocks/local_layers``).
     Layers past the last whole block sit in ``remainder`` (``{r}``: their index past it), unstacked;
-    None: MaxText has no form for them."""
+    None: MaxText has no form for them. With ``suffixes`` a block is one MaxText layer, scanned or
+    not, whose positions are told apart by a suffix (Gemma 2: ``self_attention_local`` and
+    ``self_attention_global`` in ``layers_{i}``)."""
 
     period: int = 1
     groups: tuple[tuple[str, tuple[int, ...]], ...] = (("layers", (0,)),)
     remainder: str | None = None
+    suffixes: tuple[str, ...] = ()  # per position, on the first name of each path: one MaxText layer per block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +53,16 @@ class MaxTextSpec:
     in its MoE layers). ``transforms``: rule name -> the value transforms MaxText's conversion
     applies to it, by name (``ckptbridge.maxtext_layout.TRANSFORMS``), on the way to MaxText,
     after the layout change. ``scan``: how ``scan_layers`` stacks the layers; ``no_scan_when``:
-    a model flag under which MaxText has no scanned form (Gemma 4 E2B/E4B)."""
+    a model flag under which MaxText has no scanned form (Gemma 4 E2B/E4B); ``vocab``: the
+    vocabulary MaxText's model configs give where HF's is smaller (a :class:`Part` with ``pad``
+    is padded with zero rows to it)."""
 
     names: Mapping[str, tuple[str, str] | tuple[Part, ...]]
     transforms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     when: Mapping[str, Mapping[str, tuple[str, str] | tuple[Part, ...]]] = dataclasses.field(default_factory=dict)
     scan: Scan = Scan()
     no_scan_when: str | None = None
+    vocab: Mapping[int, int] = dataclasses.field(default_factory=dict)  # HF vocab -> MaxText's, where they differ
 
     def parts(self, rule: str, flags: Mapping[str, bool]) -> tuple[Part, ...] | None:
         """The MaxText parameters of ``rule`` on a layer with ``flags`` (None: MaxText has none)."""
@@ -148,4 +155,45 @@ GEMMA4 = MaxTextSpec(
     transforms={"embed": ("embed_scale",)},
     scan=Scan(6, (("scanned_blocks/local_layers", (0, 1, 2, 3, 4)), ("scanned_blocks/global_layer", (5,)))),
     no_scan_when="ple",
+)
+
+# Gemma 3 (GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING): the same tree as Gemma 4's dense layers; norms
+# stored as 1 + w in float32, the embedding times sqrt(hidden) rounded to bf16. Scanned: blocks of
+# six layers, each position its own module (layers/layers_{b}, stacked on axis 1), the layers past
+# the last whole block unstacked in layers_remainder.
+_GEMMA3_NORMS = ("final_norm", "pre_attn_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "q_norm", "k_norm")
+GEMMA3 = MaxTextSpec(
+    names={
+        "embed": ("token_embedder/embedding", "v d"),
+        "final_norm": ("decoder/decoder_norm/scale", "d"),
+        "q": ("self_attention/query/kernel", "d n h"),
+        "kv": GEMMA4.names["kv"],
+        "qkv": (Part("self_attention/query/kernel", "d n h", ("c", 0)),
+                Part("self_attention/key/kernel", "d n h", ("c", 1)),
+                Part("self_attention/value/kernel", "d n h", ("c", 2))),
+        "o": ("self_attention/out/kernel", "n h d"),
+        "q_norm": ("self_attention/query_norm/scale", "h"),
+        "k_norm": ("self_attention/key_norm/scale", "h"),
+        "gate": ("mlp/wi_0/kernel", "d f"),
+        "up": ("mlp/wi_1/kernel", "d f"),
+        "down": ("mlp/wo/kernel", "f d"),
+        **_NORMS,
+    },
+    transforms={"embed": ("embed_scale_bf16",), **dict.fromkeys(_GEMMA3_NORMS, ("norm_plus_one",))},
+    scan=Scan(6, tuple((f"layers/layers_{b}", (b,)) for b in range(6)), remainder="layers_remainder/layers_{r}"),
+)
+
+# Gemma 2 (GEMMA2_MAXTEXT_TO_HF_PARAM_MAPPING): one MaxText layer per pair of HF layers (local,
+# global), told apart by suffixes; norms 1 + w in float32, the embedding times sqrt(hidden) (a
+# float32 scalar) and padded to MaxText's vocabulary (256000 -> 256128, gemma2-*.yml), the
+# query times 1/sqrt(head_dim) (a float32 scalar).
+GEMMA2 = MaxTextSpec(
+    names={
+        **{r: v for r, v in GEMMA3.names.items() if r not in ("q_norm", "k_norm", "embed", "qkv")},
+        "embed": (Part("token_embedder/embedding", "v d", pad="v"),),
+    },
+    transforms={"embed": ("embed_scale",), "q": ("query_scale",),
+                **dict.fromkeys(_GEMMA3_NORMS[:5], ("norm_plus_one",))},
+    scan=Scan(2, (("layers", (0,)), ("layers", (1,))), suffixes=("_local", "_global")),
+    vocab={256000: 256128},
 )
