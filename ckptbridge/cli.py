@@ -6,6 +6,8 @@
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
     ckptbridge convert safetensors-to-maxtext SRC DST [--scan-layers]
     ckptbridge convert maxtext-to-safetensors SRC DST [--config HF_CONFIG]
+    ckptbridge convert orbax-to-maxtext SRC DST [--scan-layers]
+    ckptbridge convert maxtext-to-orbax SRC DST [--config HF_CONFIG]
     ckptbridge convert to-gguf SRC DST.gguf [--adapter ADAPTER] [--outtype f32|f16|bf16|q8_0]
     ckptbridge convert adapter-to-gguf ADAPTER DST.gguf --base BASE [--outtype f32|f16|bf16|q8_0]
     ckptbridge merge BASE ADAPTER DST [--quantize int8|fp8]
@@ -144,6 +146,26 @@ def cmd_m2s(args) -> int:
                                                max_shard_size=_size(args, "max_shard_size"),
                                                overwrite=args.overwrite, chunk_size=_size(args, "chunk_size"),
                                                **_parallel(args), progress=_progress(args)))
+    return 0
+
+
+def cmd_o2m(args) -> int:
+    from ckptbridge.maxtext import convert_orbax_to_maxtext
+
+    _emit(args, convert_orbax_to_maxtext(args.src, args.dst, scan_layers=args.scan_layers, config=args.config,
+                                         step=args.step, overwrite=args.overwrite,
+                                         chunk_size=_size(args, "chunk_size"), compression=not args.no_compression,
+                                         vocab_size=args.vocab_size, **_parallel(args), progress=_progress(args)))
+    return 0
+
+
+def cmd_m2o(args) -> int:
+    from ckptbridge.maxtext import convert_maxtext_to_orbax
+
+    _emit(args, convert_maxtext_to_orbax(args.src, args.dst, config=args.config, step=args.step,
+                                         overwrite=args.overwrite, tunix_version=args.tunix_version,
+                                         chunk_size=_size(args, "chunk_size"), compression=not args.no_compression,
+                                         **_parallel(args), progress=_progress(args)))
     return 0
 
 
@@ -397,6 +419,66 @@ def add_o2s(csub) -> None:
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_o2s)
 
 
+def _maxtext_writer_options(sp) -> None:
+    """--scan-layers, --chunk-size, --no-compression, --vocab-size, --workers, --memory-budget of a verb
+    that writes MaxText."""
+    sp.add_argument("--scan-layers", action="store_true",
+                    help="stack the layers on axis 1, for MaxText's scan_layers=true (default: decoder/layers_{i}, "
+                    "for scan_layers=false)")
+    _chunk_size_option(sp, "a tensor larger than this is converted and stored in row blocks of at most this size; "
+                           "a scanned tensor is stored one layer per chunk")
+    sp.add_argument("--no-compression", action="store_true",
+                    help="store the chunks without zstd: faster to write and read, larger on disk (MaxText reads both)")
+    sp.add_argument("--vocab-size", type=int, metavar="N",
+                    help="MaxText's vocab_size where its model config pads the embedding (rows past the model's "
+                    "are zeros; default: what MaxText's own model config gives for the model's vocabulary)")
+    _parallel_options(sp, "read, rearrange and transform pieces while TensorStore encodes and writes earlier ones",
+                      CODEC_VERB_WORKERS)
+
+
+def add_o2m(csub) -> None:
+    sp = csub.add_parser(
+        "orbax-to-maxtext", help="Orbax checkpoint of Tunix parameters -> MaxText checkpoint",
+        description="Convert an Orbax checkpoint of Tunix parameters into a MaxText checkpoint (DST/0/items), "
+        "tensor by tensor, without HF files in between: what safetensors-to-maxtext writes for the same model.",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="SRC", help="Orbax checkpoint (or a checkpoint-manager root / step directory), "
+                    "local or gs://BUCKET/PATH")
+    sp.add_argument("dst", metavar="DST", help="MaxText checkpoint directory to create (local or gs://BUCKET/PATH)")
+    sp.add_argument("--config", metavar="HF_CONFIG",
+                    help="config.json (or its directory) for checkpoints without ckptbridge metadata")
+    _step_option(sp)
+    _maxtext_writer_options(sp)
+    _output_options(sp)
+    sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_o2m)
+
+
+def add_m2o(csub) -> None:
+    sp = csub.add_parser(
+        "maxtext-to-orbax", help="MaxText checkpoint -> Orbax checkpoint of the Tunix parameters",
+        description="Convert a MaxText checkpoint (scanned or not) into an Orbax checkpoint of the Tunix parameters, "
+        "tensor by tensor, without HF files in between: what safetensors-to-orbax writes for the HF model "
+        "maxtext-to-safetensors would write.",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="SRC", help="MaxText checkpoint: a run's checkpoint directory, a step, or its "
+                    "items / model_params (local or gs://BUCKET/PATH)")
+    sp.add_argument("dst", metavar="DST", help="Orbax checkpoint directory to create (local or gs://BUCKET/PATH)")
+    sp.add_argument("--config", metavar="HF_CONFIG",
+                    help="the model's HF config.json (or its directory), needed unless ckptbridge wrote the checkpoint")
+    _step_option(sp)
+    sp.add_argument("--tunix-version", metavar="VERSION",
+                    help="write the parameter layouts of this google-tunix version (default: the installed one)")
+    _chunk_size_option(sp, "a tensor larger than this is converted and stored in row blocks of at most this size")
+    sp.add_argument("--no-compression", action="store_true",
+                    help="store the chunks without zstd: faster to write and read, larger on disk")
+    _parallel_options(sp, "read, rearrange and transform pieces while TensorStore encodes and writes earlier ones",
+                      CODEC_VERB_WORKERS)
+    _output_options(sp)
+    sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_m2o)
+
+
 def add_s2m(csub) -> None:
     sp = csub.add_parser(
         "safetensors-to-maxtext", help="HF model directory -> MaxText checkpoint",
@@ -408,20 +490,9 @@ def add_s2m(csub) -> None:
     )
     sp.add_argument("src", metavar="SRC", help="HF model directory or Hub id (ORG/NAME)")
     sp.add_argument("dst", metavar="DST", help="MaxText checkpoint directory to create (local or gs://BUCKET/PATH)")
-    sp.add_argument("--scan-layers", action="store_true",
-                    help="stack the layers on axis 1, for MaxText's scan_layers=true (default: decoder/layers_{i}, "
-                    "for scan_layers=false)")
     sp.add_argument("--skip-multimodal", action="store_true",
                     help="convert the text model of a checkpoint that has vision/audio towers and drop the towers")
-    _chunk_size_option(sp, "a tensor larger than this is converted and stored in row blocks of at most this size; "
-                           "a scanned tensor is stored one layer per chunk")
-    sp.add_argument("--no-compression", action="store_true",
-                    help="store the chunks without zstd: faster to write and read, larger on disk (MaxText reads both)")
-    sp.add_argument("--vocab-size", type=int, metavar="N",
-                    help="MaxText's vocab_size where its model config pads the embedding (rows past the model's "
-                    "are zeros; default: MaxText's own for the model, e.g. 256128 for Gemma 2's 256000)")
-    _parallel_options(sp, "read, rearrange and transform pieces while TensorStore encodes and writes earlier ones",
-                      CODEC_VERB_WORKERS)
+    _maxtext_writer_options(sp)
     _revision_option(sp, "SRC")
     _output_options(sp)
     sp.set_defaults(extra="orbax", huge_pages=True, func=cmd_s2m)
@@ -722,7 +793,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     conv = sub.add_parser("convert", help="convert a checkpoint", description="Convert a checkpoint.", epilog=EPILOG)
     csub = conv.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    for add in (add_s2o, add_o2s, add_s2m, add_m2s, add_o2p, add_p2o, add_to_gguf, add_adapter_to_gguf):
+    for add in (add_s2o, add_o2s, add_s2m, add_m2s, add_o2m, add_m2o, add_o2p, add_p2o, add_to_gguf,
+                add_adapter_to_gguf):
         add(csub)
     add_merge(sub)
     add_quantize(sub)

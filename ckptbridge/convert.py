@@ -27,7 +27,7 @@ from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, open_hf_source, open_orbax_source
+from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, RowSource, open_hf_source, open_orbax_source
 from ckptbridge.specs.base import tunix_version_key
 from ckptbridge.stream import CODEC_VERB_WORKERS, Job, Parallelism, Parts
 
@@ -108,7 +108,7 @@ def _per_block(blocks: mapping.Blocks, nbytes: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // max(1, nbytes // blocks.count))
 
 
-def _leaf(source: HFSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyArray:
+def _leaf(source: RowSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyArray:
     """The Orbax leaf of ``e``: whole, or in row blocks of at most ``chunk_bytes`` when larger
     (each block read and rearranged on its own, on any worker). The rearranged copy is ours, tiled
     (``layout.transpose_copy``): handing TensorStore strided views to copy while encoding instead

@@ -26,6 +26,7 @@ import numpy as np
 from ckptbridge import deps, hub, layout, mapping, maxtext_layout, options, specs
 from ckptbridge.config import ModelConfig
 from ckptbridge.convert import HELD_PER_BYTE, ConversionReport, _metadata, _per_block
+from ckptbridge.convert import _leaf as _tunix_leaf
 from ckptbridge.errors import ConfigError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.io import DEFAULT_CHUNK_SIZE, storage
 from ckptbridge.io import orbax as orbax_io
@@ -33,10 +34,20 @@ from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import copy_assets, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor
 from ckptbridge.maxtext_layout import Leaf, apply, stored_dtype, transforms_of
+from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.progress import Progress
-from ckptbridge.sources import ASSETS_DIR, HFSource, _config_from_option, more, open_hf_source
-from ckptbridge.specs.base import FamilySpec
+from ckptbridge.sources import (
+    ASSETS_DIR,
+    HFRows,
+    HFRowsOfTunix,
+    RowSource,
+    _config_from_option,
+    more,
+    open_hf_source,
+    open_orbax_source,
+)
+from ckptbridge.specs.base import FamilySpec, tunix_version_key
 from ckptbridge.stream import CODEC_VERB_WORKERS, Job, Parallelism, Parts
 
 ITEM = "items"  # MaxText's one CheckpointManager item
@@ -98,7 +109,7 @@ class ToMaxTextReport(ConversionReport):
         return text
 
 
-def _leaf_to_maxtext(source: HFSource, leaf: Leaf, spec, chunk_bytes: int) -> orbax_io.LazyArray:
+def _leaf_to_maxtext(source: RowSource, leaf: Leaf, spec, chunk_bytes: int) -> orbax_io.LazyArray:
     """The MaxText parameter ``leaf`` as pieces made from the HF tensors: one per stacked layer
     (a chunk of the stacked tensor each), or row blocks of at most ``chunk_bytes`` of one layer's
     tensor where it is larger (and its transforms allow). A part of a fused row is made from the
@@ -143,7 +154,8 @@ def _leaf_to_maxtext(source: HFSource, leaf: Leaf, spec, chunk_bytes: int) -> or
     return orbax_io.LazyArray(leaf.shape, dtype, chunks=chunks, pieces=pieces, held=HELD_PER_BYTE)
 
 
-def _padded_leaf(source: HFSource, leaf: Leaf, dtype: np.dtype, transforms, chunk_bytes: int) -> orbax_io.LazyArray:
+def _padded_leaf(source: RowSource, leaf: Leaf, dtype: np.dtype, transforms,
+                 chunk_bytes: int) -> orbax_io.LazyArray:
     """A model tensor that MaxText holds more of along its first axis (the vocabulary): in row
     blocks of MaxText's length, the rows past HF's zeros (as to_maxtext pads)."""
     e = _as(leaf.entries[0], leaf.part.layout)
@@ -166,6 +178,30 @@ def _padded_leaf(source: HFSource, leaf: Leaf, dtype: np.dtype, transforms, chun
     return orbax_io.LazyArray(leaf.shape, dtype, chunks=(per, *leaf.shape[1:]), pieces=pieces, held=HELD_PER_BYTE)
 
 
+def _write_maxtext(rows: RowSource, entries: list[mapping.Entry], cfg: ModelConfig, family: FamilySpec, where: str,
+                   dst: str, *, scan_layers: bool, vocab_size: int | None, chunk_bytes: int, compression: bool,
+                   metadata: dict, assets: tuple[list[str], str] | None, overwrite: bool, engine, progress: bool | None,
+                   desc: str) -> tuple[int, int, dict[str, str]]:
+    """Write the MaxText checkpoint of ``entries`` (values from ``rows``) at ``dst``: (parameters,
+    bytes, the value transforms applied by rule)."""
+    spec = _maxtext_spec(family, where)
+    leaves = maxtext_layout.plan(entries, spec, scan_layers, cfg.flags, vocab=vocab_size)
+    flat = {ROOT + leaf.path: _leaf_to_maxtext(rows, leaf, spec, chunk_bytes) for leaf in leaves}
+    total = sum(leaf.nbytes for leaf in flat.values())
+    bar = Progress(total, desc, enabled=progress)
+    for lazy in flat.values():
+        lazy.on_written = bar.update
+    tree = {**orbax_io.nest(flat), "step": np.asarray(0, np.int64)}  # MaxText's TrainState step
+    with atomic_directory(dst, overwrite) as tmp:
+        orbax_io.save_manager_step(tmp, 0, tree, {SCAN_KEY: scan_layers, **metadata}, item=ITEM,
+                                   compression=compression, engine=engine)
+        if assets:
+            copy_assets(assets[0], assets[1], storage.join(tmp, ASSETS_DIR))
+    bar.close()
+    transformed = {r: " then ".join(t) for r, t in spec.transforms.items() if any(e.rule.name == r for e in entries)}
+    return len(flat), total, transformed
+
+
 def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = False, overwrite: bool = False,
                                    skip_multimodal: bool = False, chunk_size: str | int = DEFAULT_CHUNK_SIZE,
                                    compression: bool = True, vocab_size: int | None = None,
@@ -180,8 +216,8 @@ def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = Fa
     ``chunk_size`` (one layer of a scanned tensor, or row blocks of a larger one) made on
     ``workers`` threads within ``memory_budget``. ``compression=False`` stores the chunks without
     zstd (Orbax and MaxText read either). ``vocab_size``: MaxText's vocabulary where its model
-    config pads the embedding (default: what its published configs use for the model's, e.g.
-    Gemma 2's 256128 for 256000; otherwise the model's own)."""
+    config pads the embedding (default: what its published configs use for the model's, from
+    the family's spec; otherwise the model's own)."""
     t0 = time.perf_counter()
     deps.require("orbax")
     chunk_bytes = options.size("chunk_size", chunk_size)
@@ -190,28 +226,62 @@ def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = Fa
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source, parallel.engine("s2m") as engine:
-        spec = _maxtext_spec(source.spec, src)
         specs.note_mismatch(source.cfg)
-        leaves = maxtext_layout.plan(source.entries, spec, scan_layers, source.cfg.flags, vocab=vocab_size)
-        flat = {ROOT + leaf.path: _leaf_to_maxtext(source, leaf, spec, chunk_bytes) for leaf in leaves}
-        total = sum(leaf.nbytes for leaf in flat.values())
-        bar = Progress(total, "safetensors -> maxtext", enabled=progress)
-        for lazy in flat.values():
-            lazy.on_written = bar.update
-        tree = {**orbax_io.nest(flat), "step": np.asarray(0, np.int64)}  # MaxText's TrainState step
-        custom = {SCAN_KEY: scan_layers, **_metadata(source, "weights", source.model.asset_files(), None)}
         assets = source.model.asset_files()
-        with atomic_directory(dst, overwrite) as tmp:
-            orbax_io.save_manager_step(tmp, 0, tree, custom, item=ITEM, compression=compression, engine=engine)
-            if assets:
-                copy_assets(assets, source.model.path, storage.join(tmp, ASSETS_DIR))
-        bar.close()
+        n, total, transformed = _write_maxtext(
+            source, source.entries, source.cfg, source.spec, src, dst, scan_layers=scan_layers, vocab_size=vocab_size,
+            chunk_bytes=chunk_bytes, compression=compression, metadata=_metadata(source, "weights", assets, None),
+            assets=(assets, source.model.path) if assets else None, overwrite=overwrite, engine=engine,
+            progress=progress, desc="safetensors -> maxtext")
         return ToMaxTextReport(
             direction="safetensors-to-maxtext", source=src, destination=dst, family=source.spec.name,
-            key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=len(flat), bytes=total,
-            scan_layers=scan_layers, chunk_bytes=chunk_bytes,
-            transformed={r: " then ".join(t) for r, t in spec.transforms.items()
-                         if any(e.rule.name == r for e in source.entries)},
+            key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=n, bytes=total,
+            scan_layers=scan_layers, chunk_bytes=chunk_bytes, transformed=transformed,
+            seconds=round(time.perf_counter() - t0, 3))
+
+
+def _stored_assets(path: str) -> tuple[list[str], str] | None:
+    """The non-weight files ckptbridge stored with a checkpoint (in ``path`` or up to two levels
+    above: an item, its step, the root), and where."""
+    for up in (path, storage.dirname(path), storage.dirname(storage.dirname(path))):
+        where = storage.join(up, ASSETS_DIR)
+        if storage.isdir(where):
+            return storage.listdir(where), where
+    return None
+
+
+def _weights_metadata(cfg: ModelConfig, family: FamilySpec, prefix: str, src: str, assets, tunix_version=None) -> dict:
+    return {KEY: Metadata(kind="weights", family=family.name, hf_config=cfg.hf_config, key_prefix=prefix,
+                          config_dialect=cfg.dialect, towers_dropped=0, assets=assets[0] if assets else [],
+                          source=storage.absolute(src), tunix_version=tunix_version).to_json()}
+
+
+def convert_orbax_to_maxtext(src: str, dst: str, *, scan_layers: bool = False, config: str | None = None,
+                             step: int | None = None, overwrite: bool = False,
+                             chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
+                             vocab_size: int | None = None, workers: int | None = None,
+                             memory_budget: str | int | None = None,
+                             progress: bool | None = None) -> ToMaxTextReport:
+    """Orbax (Tunix) weights checkpoint -> MaxText checkpoint, tensor by tensor, without going
+    through HF files: what :func:`convert_safetensors_to_maxtext` writes for the HF model the
+    checkpoint holds (options as there; ``config`` and ``step`` as in orbax-to-safetensors)."""
+    t0 = time.perf_counter()
+    chunk_bytes = options.size("chunk_size", chunk_size)
+    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
+                              default_cap=CODEC_VERB_WORKERS)
+    check_destination(dst, [src] + ([config] if config else []), overwrite)
+    with open_orbax_source(src, config=config, step=step) as source, parallel.engine("o2m") as engine:
+        specs.note_mismatch(source.cfg)
+        assets = _stored_assets(source.ckpt.path)
+        n, total, transformed = _write_maxtext(
+            HFRowsOfTunix(source), source.entries, source.cfg, source.spec, src, dst, scan_layers=scan_layers,
+            vocab_size=vocab_size, chunk_bytes=chunk_bytes, compression=compression,
+            metadata=_weights_metadata(source.cfg, source.spec, source.prefix, src, assets), assets=assets,
+            overwrite=overwrite, engine=engine, progress=progress, desc="orbax -> maxtext")
+        return ToMaxTextReport(
+            direction="orbax-to-maxtext", source=src, destination=dst, family=source.spec.name,
+            key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=n, bytes=total,
+            scan_layers=scan_layers, chunk_bytes=chunk_bytes, transformed=transformed,
             seconds=round(time.perf_counter() - t0, 3))
 
 
@@ -478,7 +548,7 @@ def _widened(source: MaxTextSource, leaf: Leaf) -> bool:
 
 def _hf_dtype(source: MaxTextSource, leaf: Leaf) -> np.dtype:
     """The dtype ``leaf``'s HF tensors are written in: as stored, but for the tensors MaxText
-    widens to float32 (Gemma's norms + 1), which take the dtype of the checkpoint's others."""
+    widens to float32 (norms stored as 1 + w), which take the dtype of the checkpoint's others."""
     if not _widened(source, leaf):
         return source.dtype(leaf)
     others = Counter(source.dtype(x) for x in source.leaves if not _widened(source, x))
@@ -515,14 +585,10 @@ def convert_maxtext_to_safetensors(src: str, dst: str, *, config: str | None = N
         planned = [PlannedTensor(key, dtype, e.hf_shape, functools.partial(parts.take, key)) if n == 1 else
                    PlannedTensor(key, dtype, e.hf_shape, chunks=functools.partial(parts.take_many, key, n))
                    for e, key, n, dtype in tensors]
-        root = source.ckpt.path
-        for up in (root, storage.dirname(root), storage.dirname(storage.dirname(root))):
-            stored_assets = storage.join(up, ASSETS_DIR)
-            if storage.isdir(stored_assets):
-                break
+        stored = _stored_assets(source.ckpt.path)
         files = write_model_directory(
             dst, planned, source.cfg.hf_config, shard_bytes,
-            assets_from=stored_assets if storage.isdir(stored_assets) else source.config_dir,
+            assets_from=stored[1] if stored else source.config_dir,
             overwrite=overwrite, desc="maxtext -> safetensors", progress=progress)
         return FromMaxTextReport(
             direction="maxtext-to-safetensors", source=src, destination=dst, family=source.spec.name,
@@ -531,4 +597,98 @@ def convert_maxtext_to_safetensors(src: str, dst: str, *, config: str | None = N
             seconds=round(time.perf_counter() - t0, 3))
 
 
-__all__ = ["convert_maxtext_to_safetensors", "convert_safetensors_to_maxtext", "open_maxtext_source", "supported"]
+class HFRowsOfMaxText(HFRows):
+    """The HF tensors of a MaxText checkpoint's rows, for writing them in another layout (Tunix):
+    read, untransformed and cast as maxtext-to-safetensors writes them."""
+
+    def __init__(self, source: MaxTextSource):
+        self.source = source
+        self._where: dict[tuple, tuple[list[Leaf], int]] = {}
+        for unit in _units(source):
+            for pos, e in enumerate(unit[0].entries):
+                self._where[(e.rule.name, e.layer.index if e.layer else None)] = (unit, pos)
+        others = Counter(source.dtype(x) for x in source.leaves if not _widened(source, x))
+        self._model_dtype = others.most_common(1)[0][0] if others else np.dtype(np.float32)
+
+    def _unit(self, entry: mapping.Entry) -> tuple[list[Leaf], int]:
+        return self._where[(entry.rule.name, entry.layer.index if entry.layer else None)]
+
+    def dtype(self, entry: mapping.Entry) -> np.dtype:
+        if not entry.hf_keys:
+            return self._model_dtype
+        return _hf_dtype(self.source, self._unit(entry)[0][0])
+
+    def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
+        unit, pos = self._unit(entry)
+        transforms = transforms_of(self.source.spec.maxtext, entry.rule.name)
+        return [v for _, v in _unit_pieces(self.source, unit, transforms, self.dtype(entry), pos, pos + 1)]
+
+    def hf_rows(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray | None:
+        unit, pos = self._unit(blocks.entry)
+        if len(unit) != 1:
+            return None
+        leaf = unit[0]
+        stored = mapping.blocks(_as(leaf.entries[pos], leaf.part.layout))
+        if stored is None or stored.axis != blocks.axis:
+            return None
+        transforms = transforms_of(self.source.spec.maxtext, leaf.entries[pos].rule.name)
+        pieces = _box_pieces(self.source, leaf, pos, stored, transforms, self.dtype(blocks.entry), i, j)
+        return np.stack([v for _, v in pieces]) if stored.keyed else pieces[0][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextToOrbaxReport(ConversionReport):
+    scan_layers: bool
+    tunix_version: str | None
+    seconds: float
+
+    def summary(self) -> str:
+        lay = "scanned" if self.scan_layers else "unscanned"
+        layouts = self.tunix_version or "the specs"
+        return self._head(self.seconds) + f"\n  MaxText layout: {lay}; Tunix layouts of {layouts}"
+
+
+def convert_maxtext_to_orbax(src: str, dst: str, *, config: str | None = None, step: int | None = None,
+                             overwrite: bool = False, tunix_version: str | None = None,
+                             chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
+                             workers: int | None = None, memory_budget: str | int | None = None,
+                             progress: bool | None = None) -> MaxTextToOrbaxReport:
+    """MaxText checkpoint -> Orbax checkpoint of the Tunix state, tensor by tensor, without going
+    through HF files: what safetensors-to-orbax writes for the HF model maxtext-to-safetensors
+    would write (``tunix_version``, ``compression`` and the streaming options as there)."""
+    t0 = time.perf_counter()
+    chunk_bytes = options.size("chunk_size", chunk_size)
+    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
+                              default_cap=CODEC_VERB_WORKERS)
+    if tunix_version is not None:
+        try:
+            tunix_version_key(tunix_version)
+        except ValueError as e:
+            raise ConfigError(f"tunix_version (--tunix-version): {e}") from None
+    target = tunix_version or installed_tunix_version()
+    check_destination(dst, [src] + ([config] if config else []), overwrite)
+    with open_maxtext_source(src, config=config, step=step) as source, parallel.engine("m2o") as engine:
+        specs.note_mismatch(source.cfg)
+        rows = HFRowsOfMaxText(source)
+        flat = {e.tunix_path: _tunix_leaf(rows, e, chunk_bytes)
+                for e in mapping.for_tunix_version(source.entries, target)}
+        total = sum(leaf.nbytes for leaf in flat.values())
+        bar = Progress(total, "maxtext -> orbax", enabled=progress)
+        for leaf in flat.values():
+            leaf.on_written = bar.update
+        assets = _stored_assets(source.ckpt.path)
+        with atomic_directory(dst, overwrite) as tmp:
+            orbax_io.save_tree(tmp, orbax_io.nest(flat),
+                               _weights_metadata(source.cfg, source.spec, source.prefix, src, assets, target),
+                               compression=compression, engine=engine)
+            if assets:
+                copy_assets(assets[0], assets[1], storage.join(tmp, ASSETS_DIR))
+        bar.close()
+        return MaxTextToOrbaxReport(
+            direction="maxtext-to-orbax", source=src, destination=dst, family=source.spec.name,
+            key_prefix=source.prefix, layer_kinds=source.cfg.layer_kinds(), tensors=len(flat), bytes=total,
+            scan_layers=source.scan_layers, tunix_version=target, seconds=round(time.perf_counter() - t0, 3))
+
+
+__all__ = ["convert_maxtext_to_orbax", "convert_maxtext_to_safetensors", "convert_orbax_to_maxtext",
+           "convert_safetensors_to_maxtext", "open_maxtext_source", "supported"]

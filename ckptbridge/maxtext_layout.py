@@ -5,7 +5,7 @@ several: a row that fuses MaxText's parameters, :class:`~ckptbridge.specs.maxtex
 ``scan_layers`` the layers stack as the spec's :class:`~ckptbridge.specs.maxtext.Scan` says: all
 at ``decoder/layers/<path>`` on axis 1 (MaxText's ``param_scan_axis``), so that the layout gains
 a layer axis after its first axis (a query ``d n h`` is ``d blk n h``), or in blocks whose
-positions nest on axis 2 (Gemma 4: ``d blk sub n h``). ``tests/data/maxtext/expected.json``
+positions nest on axis 2 (``d blk sub n h``). ``tests/data/maxtext/expected.json``
 holds what MaxText's own mapping gives for the same configs.
 """
 
@@ -89,7 +89,7 @@ def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool,
          flags: Mapping[str, bool] | None = None, vocab: int | None = None) -> list[Leaf]:
     """The MaxText parameters of ``entries`` (:func:`ckptbridge.mapping.entries`) of a model with
     model flags ``flags``, model-scope first, then layer rows. Rows HF lacks on a layer
-    (``hf_absent``: Gemma 4's kv-shared layers) have no MaxText parameter either. A MismatchError
+    (``hf_absent``: kv-shared layers) have no MaxText parameter either. A MismatchError
     when a row has no MaxText name, or when scanning meets stacked layers whose rows or sizes
     differ (MaxText scans identical layers only) or layers past the last whole block. A part
     with ``pad`` holds ``vocab`` (default: the spec's MaxText vocabulary for HF's) along it."""
@@ -204,7 +204,7 @@ def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
 
 
 def _embed_scaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
-    """``x * sqrt(n)`` with a float32 scalar, in float32, cast back (MaxText's Gemma 2/4
+    """``x * sqrt(n)`` with a float32 scalar, in float32, cast back (MaxText's
     ``pad_hf_embedding_layer``: NumPy 2 promotes a bf16 array times a float32 scalar to float32)."""
     return (x.astype(np.float32) * np.float32(np.sqrt(n))).astype(x.dtype)
 
@@ -215,8 +215,8 @@ def _embed_unscaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
 
 
 def _embed_scaled_bf16(x: np.ndarray, ax: int, n: int) -> np.ndarray:
-    """``x * sqrt(n)`` with the scalar rounded to bfloat16 first (MaxText's Gemma 3
-    ``pad_and_scale_embedding``, as HF Gemma 3 casts ``embed_scale`` to the weights' dtype)."""
+    """``x * sqrt(n)`` with the scalar rounded to bfloat16 first (MaxText's
+    ``pad_and_scale_embedding``, as HF's model casts ``embed_scale`` to the weights' dtype)."""
     return (x.astype(np.float32) * np.float32(_bf16(np.sqrt(n)))).astype(x.dtype)
 
 
@@ -231,7 +231,7 @@ def _bf16(v: float):
 
 
 def _plus_one(x: np.ndarray, ax: int, n: int) -> np.ndarray:
-    """Gemma 2/3's RMSNorm weight ``w`` (HF computes ``x * (1 + w)``) as MaxText's scale ``1 + w``,
+    """An RMSNorm weight ``w`` (HF computes ``x * (1 + w)``) as MaxText's scale ``1 + w``,
     in float32 and kept so (MaxText's ``scale_rmsnorm``: NumPy 2 widens ``bf16 + 1.0``)."""
     return x.astype(np.float32) + np.float32(1)
 

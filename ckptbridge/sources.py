@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
@@ -49,6 +50,72 @@ def is_hf_directory(path: str) -> bool:
     if orbax_io.storage.is_remote(path):
         return False
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "_METADATA"))
+
+
+class RowSource(Protocol):
+    """What the writers of a layout need of a source: each row's values in any of its layouts
+    (``entry`` with a ``tunix_variant``, or a MaxText layout), whole or in row blocks
+    (:class:`ckptbridge.mapping.Blocks`), and the dtype they are written in."""
+
+    def dtype(self, entry: mapping.Entry) -> np.dtype: ...
+
+    def tunix_value(self, entry: mapping.Entry) -> np.ndarray: ...
+
+    def tunix_block(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray: ...
+
+
+class HFRows:
+    """:class:`RowSource` over a source that gives each row's HF tensors (``arrays``) and, where it
+    can, runs of their rows (``hf_rows``: the HF stacked layout's indices ``i:j``, or None to have
+    them cut from the whole)."""
+
+    def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def hf_rows(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray | None:
+        return None
+
+    def dtype(self, entry: mapping.Entry) -> np.dtype:
+        raise NotImplementedError
+
+    def tunix_value(self, entry: mapping.Entry) -> np.ndarray:
+        if not entry.hf_keys:  # a parameter Tunix keeps unused where HF has none (``hf_absent``)
+            return np.zeros(entry.tunix_shape, self.dtype(entry))
+        return mapping.hf_to_tunix(entry, self.arrays(entry))
+
+    def tunix_block(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray:
+        hf = self.hf_rows(blocks, i, j)
+        if hf is None:
+            arrays = self.arrays(blocks.entry)
+            whole = np.stack(arrays) if blocks.entry.rule.stack_axis else arrays[0]
+            hf = whole[i:j] if blocks.keyed else whole[i * blocks.hf_rows:j * blocks.hf_rows]
+        return blocks.to_tunix(hf, i, j)
+
+
+class HFRowsOfTunix(HFRows):
+    """The HF tensors of an Orbax (Tunix) checkpoint's rows, for writing them in another layout:
+    ``arrays`` and ``hf_rows`` of any entry of the same row and layer."""
+
+    def __init__(self, source: OrbaxSource):
+        self.source = source
+        self._stored = {(e.rule.name, e.layer.index if e.layer else None): e for e in source.entries}
+
+    def _orig(self, entry: mapping.Entry) -> mapping.Entry:
+        return self._stored[(entry.rule.name, entry.layer.index if entry.layer else None)]
+
+    def dtype(self, entry: mapping.Entry) -> np.dtype:
+        return self.source.dtype(self._orig(entry))
+
+    def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
+        e = self._orig(entry)
+        return mapping.tunix_to_hf(e, self.source.tunix_value(e))
+
+    def hf_rows(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray | None:
+        stored = mapping.blocks(self._orig(blocks.entry))
+        if stored is None or stored.axis != blocks.axis or self.source.ckpt.chunks(
+                self.source.path_of(stored.entry)) is None:
+            return None
+        return stored.to_hf(self.source.tunix_box(stored, i, j), i, j)
 
 
 @dataclasses.dataclass
@@ -340,5 +407,6 @@ def open_model_source(src: str, *, step: int | None = None, skip_multimodal: boo
     return open_orbax_source(src, step=step)
 
 
-__all__ = ["ASSETS_DIR", "HFSource", "OrbaxSource", "find_prefix", "is_hf_directory",
+__all__ = ["ASSETS_DIR", "HFRows", "HFRowsOfTunix", "HFSource", "OrbaxSource", "RowSource", "find_prefix",
+           "is_hf_directory",
            "open_hf_source", "open_model_source", "open_orbax_source"]

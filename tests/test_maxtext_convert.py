@@ -243,3 +243,35 @@ def test_an_nnx_sft_tree_converts_and_inspect_says_what_each_is(maxtext_rows, tm
                  "--quiet"]) != 0
     assert "is a MaxText checkpoint, not Tunix; use `ckptbridge convert maxtext-to-safetensors`" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["gemma4-dense/scanned", "gemma2/scanned", "llama3.1/unscanned"])
+def test_tunix_and_maxtext_convert_into_each_other_as_through_hf(maxtext_rows, name, tmp_path):
+    """orbax-to-maxtext writes what safetensors-to-maxtext writes for the same model, and
+    maxtext-to-orbax what safetensors-to-orbax writes for what maxtext-to-safetensors gives back
+    (leaf for leaf, bytes and dtypes; row blocks of 1 KiB on every path)."""
+    from ckptbridge.convert import convert_safetensors_to_orbax  # noqa: PLC0415
+
+    row = maxtext_rows[name]
+    hf, mt, vocab = str(tmp_path / "hf"), str(tmp_path / "mt"), row["maxtext_config"]["vocab_size"]
+    _hf_model(row, hf)
+    multimodal = "vision_config" in row["hf_config"]
+    small = dict(chunk_size="1KiB", progress=False)
+    convert_safetensors_to_orbax(hf, str(tmp_path / "tunix"), skip_multimodal=multimodal, **small)
+    convert_safetensors_to_maxtext(hf, mt, scan_layers=row["scan_layers"], skip_multimodal=multimodal,
+                                   vocab_size=vocab, **small)
+    assert main(["convert", "orbax-to-maxtext", str(tmp_path / "tunix"), str(tmp_path / "mt2"), "--chunk-size", "1KiB",
+                 "--vocab-size", str(vocab), "--quiet"] + (["--scan-layers"] if row["scan_layers"] else [])) == 0
+    assert main(["convert", "maxtext-to-orbax", mt, str(tmp_path / "tunix2"), "--chunk-size", "1KiB", "--quiet"]) == 0
+    convert_maxtext_to_safetensors(mt, str(tmp_path / "back"), progress=False)
+    convert_safetensors_to_orbax(str(tmp_path / "back"), str(tmp_path / "tunix3"), skip_multimodal=multimodal, **small)
+    for a, b in ((str(tmp_path / "mt" / "0" / ITEM), str(tmp_path / "mt2" / "0" / ITEM)),
+                 (str(tmp_path / "tunix3"), str(tmp_path / "tunix2"))):
+        with orbax_io.OrbaxCheckpoint(a) as x, orbax_io.OrbaxCheckpoint(b) as y:
+            assert x.leaves == y.leaves
+            xs, ys = x.read(x.leaves), y.read(y.leaves)
+            for p in xs:
+                assert xs[p].tobytes() == ys[p].tobytes(), (b, p)
+    # and back to HF from either: the same files
+    assert main(["convert", "maxtext-to-safetensors", str(tmp_path / "mt2"), str(tmp_path / "back2"), "--quiet"]) == 0
+    assert main(["verify", "tensors", str(tmp_path / "back"), str(tmp_path / "back2")]) == 0
