@@ -126,6 +126,17 @@ def _leaf(source: RowSource, e: mapping.Entry, chunk_bytes: int) -> orbax_io.Laz
                               held=HELD_PER_BYTE)
 
 
+def target_tunix_version(tunix_version: str | None) -> str | None:
+    """The Tunix version whose layouts a verb writes: ``tunix_version`` (checked), else the
+    installed google-tunix's (None without one: the layouts the specs were written against)."""
+    if tunix_version is not None:
+        try:
+            tunix_version_key(tunix_version)
+        except ValueError as e:
+            raise ConfigError(f"tunix_version (--tunix-version): {e}") from None
+    return tunix_version or installed_tunix_version()
+
+
 def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
                                  skip_multimodal: bool = False, tunix_version: str | None = None,
                                  chunk_size: str | int = DEFAULT_CHUNK_SIZE, compression: bool = True,
@@ -150,12 +161,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     chunk_bytes = options.size("chunk_size", chunk_size)
     parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
                               default_cap=CODEC_VERB_WORKERS)
-    if tunix_version is not None:
-        try:
-            tunix_version_key(tunix_version)
-        except ValueError as e:
-            raise ConfigError(f"tunix_version (--tunix-version): {e}") from None
-    target = tunix_version or installed_tunix_version()
+    target = target_tunix_version(tunix_version)
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source, \

@@ -25,7 +25,7 @@ import numpy as np
 
 from ckptbridge import deps, hub, layout, mapping, maxtext_layout, options, specs
 from ckptbridge.config import ModelConfig
-from ckptbridge.convert import HELD_PER_BYTE, ConversionReport, _metadata, _per_block
+from ckptbridge.convert import HELD_PER_BYTE, ConversionReport, _metadata, _per_block, target_tunix_version
 from ckptbridge.convert import _leaf as _tunix_leaf
 from ckptbridge.errors import ConfigError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.io import DEFAULT_CHUNK_SIZE, storage
@@ -34,7 +34,7 @@ from ckptbridge.io.atomic import atomic_directory, check_destination
 from ckptbridge.io.hf import copy_assets, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor
 from ckptbridge.maxtext_layout import Leaf, apply, stored_dtype, transforms_of
-from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
+from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
 from ckptbridge.progress import Progress
 from ckptbridge.sources import (
@@ -47,7 +47,7 @@ from ckptbridge.sources import (
     open_hf_source,
     open_orbax_source,
 )
-from ckptbridge.specs.base import FamilySpec, tunix_version_key
+from ckptbridge.specs.base import FamilySpec
 from ckptbridge.stream import CODEC_VERB_WORKERS, Job, Parallelism, Parts
 
 ITEM = "items"  # MaxText's one CheckpointManager item
@@ -660,12 +660,7 @@ def convert_maxtext_to_orbax(src: str, dst: str, *, config: str | None = None, s
     chunk_bytes = options.size("chunk_size", chunk_size)
     parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
                               default_cap=CODEC_VERB_WORKERS)
-    if tunix_version is not None:
-        try:
-            tunix_version_key(tunix_version)
-        except ValueError as e:
-            raise ConfigError(f"tunix_version (--tunix-version): {e}") from None
-    target = tunix_version or installed_tunix_version()
+    target = target_tunix_version(tunix_version)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_maxtext_source(src, config=config, step=step) as source, parallel.engine("m2o") as engine:
         specs.note_mismatch(source.cfg)

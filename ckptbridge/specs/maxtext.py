@@ -164,20 +164,11 @@ GEMMA4 = MaxTextSpec(
 _GEMMA3_NORMS = ("final_norm", "pre_attn_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "q_norm", "k_norm")
 GEMMA3 = MaxTextSpec(
     names={
-        "embed": ("token_embedder/embedding", "v d"),
-        "final_norm": ("decoder/decoder_norm/scale", "d"),
-        "q": ("self_attention/query/kernel", "d n h"),
-        "kv": GEMMA4.names["kv"],
+        **{r: GEMMA4.names[r] for r in ("embed", "final_norm", "q", "kv", "o", "q_norm", "k_norm", "gate", "up",
+                                        "down", *_NORMS)},
         "qkv": (Part("self_attention/query/kernel", "d n h", ("c", 0)),
                 Part("self_attention/key/kernel", "d n h", ("c", 1)),
                 Part("self_attention/value/kernel", "d n h", ("c", 2))),
-        "o": ("self_attention/out/kernel", "n h d"),
-        "q_norm": ("self_attention/query_norm/scale", "h"),
-        "k_norm": ("self_attention/key_norm/scale", "h"),
-        "gate": ("mlp/wi_0/kernel", "d f"),
-        "up": ("mlp/wi_1/kernel", "d f"),
-        "down": ("mlp/wo/kernel", "f d"),
-        **_NORMS,
     },
     transforms={"embed": ("embed_scale_bf16",), **dict.fromkeys(_GEMMA3_NORMS, ("norm_plus_one",))},
     scan=Scan(6, tuple((f"layers/layers_{b}", (b,)) for b in range(6)), remainder="layers_remainder/layers_{r}"),
