@@ -1,4 +1,5 @@
-"""LoRA conversions: Tunix/qwix Orbax checkpoints <-> PEFT adapter directories.
+"""LoRA conversions: Tunix/qwix Orbax checkpoints <-> PEFT adapter directories, and PEFT adapters ->
+MaxText LoRA checkpoints (MaxText's to PEFT goes through ``convert_orbax_to_peft`` too).
 
 Both read the adapter and the base's config and key names only (no model, no qwix, no
 accelerator), stream module by module, and write atomically.
@@ -18,7 +19,7 @@ from collections import Counter
 
 import numpy as np
 
-from ckptbridge import deps, hub, lora, model_card, options, specs, vllm_lora
+from ckptbridge import deps, hub, lora, mapping, maxtext, maxtext_layout, model_card, options, specs, vllm_lora
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
@@ -29,6 +30,7 @@ from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_versio
 from ckptbridge.options import KV_MODES, TARGETS
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
+from ckptbridge.sources import more
 from ckptbridge.stream import Parallelism, Parts, Shared
 
 log = logging.getLogger(__name__)
@@ -95,14 +97,6 @@ class OrbaxLoraReport(Report):
         return text
 
 
-def _step_of(ad: lora.OrbaxLora) -> int | None:
-    """The training step of a LoRA checkpoint: recorded, or the name of its step directory."""
-    if ad.metadata.step is not None:
-        return ad.metadata.step
-    name = storage.basename(storage.dirname(storage.absolute(ad.path)))
-    return int(name) if name.isdigit() else None
-
-
 def _padded(a: np.ndarray, b: np.ndarray, sc: Scaling, pad_to: int | None,
             fold_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
     """A PEFT pair padded to rank ``pad_to`` with its scale folded into B as ``fold_scale`` (vLLM
@@ -119,8 +113,10 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                           target: str = "hf", base_id: str | None = None, overwrite: bool = False,
                           workers: int | None = None, memory_budget: str | int | None = None,
                           progress: bool | None = None, revision: str | None = None) -> PeftExportReport:
-    """Tunix/qwix LoRA checkpoint -> PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``
-    + a model card ``README.md``).
+    """Tunix/qwix or MaxText LoRA checkpoint -> PEFT adapter (``adapter_config.json`` +
+    ``adapter_model.safetensors`` + a model card ``README.md``). A MaxText checkpoint's factors are
+    ``lora_A``/``lora_B`` transposed, its value transforms of B (a RoPE reordering, a query scale)
+    undone.
 
     ``target="vllm"`` also writes, on k_eq_v layers, the k_proj factors as v_proj (vLLM applies
     V's LoRA separately) and makes rank/alpha uniform (vLLM ignores rank/alpha patterns).
@@ -139,12 +135,13 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
     base_id = model_card.hub_id(b.path, base_id)
     mismatch = specs.note_mismatch(b.cfg)
     warnings: list[str] = []
-    with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad, contextlib.ExitStack() as stack:
+    with lora.open_checkpoint_lora(src, b, step=step, alpha=alpha) as ad, contextlib.ExitStack() as stack:
         # every HF module that gets factors: (name, module, index into the module's pairs, scaling)
         plan: list[tuple[str, LoraModule, int, Scaling]] = []
-        for mod, sc in ad.scaling.items():
-            plan += [(name, mod, i, sc) for i, name in enumerate(mod.hf_modules)]
-            if target == "vllm":
+        for mod, i in ad.targets():
+            sc = ad.scaling[mod]
+            plan.append((mod.hf_modules[i], mod, i, sc))
+            if target == "vllm" and i == 0:
                 plan += [(name, mod, 0, sc) for name in mod.vllm_aliases]
         counts = Counter((sc.rank, sc.alpha) for _, _, _, sc in plan)
         (r, alpha_default), _ = counts.most_common(1)[0]
@@ -174,23 +171,21 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
         for w in warnings:
             log.warning(w)
 
-        by_module: dict[LoraModule, list[tuple[str, int, Scaling]]] = {}
+        by_target: dict[tuple[LoraModule, int], list[tuple[str, Scaling]]] = {}
         for name, mod, i, sc in plan:
-            by_module.setdefault(mod, []).append((name, i, sc))
+            by_target.setdefault((mod, i), []).append((name, sc))
 
-        def peft_parts(batch: list[LoraModule]) -> list[tuple[str, np.ndarray]]:
-            """The PEFT factors of the modules of ``batch``, in the order they are written."""
+        def peft_parts(read) -> list[tuple[str, np.ndarray]]:
+            """The PEFT factors of a batch, under every name they are written as."""
             parts = []
-            for mod, factors in ad.read_batch(batch).items():
-                pairs = lora.tunix_to_peft(mod, *factors)
-                for name, i, sc in by_module[mod]:
-                    a, b_ = _padded(*pairs[i], sc, pad_to, fold_scale)
+            for target_, (a0, b0) in read().items():
+                for name, sc in by_target[target_]:
+                    a, b_ = _padded(a0, b0, sc, pad_to, fold_scale)
                     parts += [(lora.factor_key(name, "A"), a), (lora.factor_key(name, "B"), b_)]
             return parts
 
         engine = stack.enter_context(parallel.engine("o2p"))
-        parts = Parts(engine.stream((sum(ad.module_bytes(m) for m in batch), functools.partial(peft_parts, batch))
-                                    for batch in ad.batches()))
+        parts = Parts(engine.stream((nbytes, functools.partial(peft_parts, read)) for nbytes, read in ad.peft_reads()))
         tensors = []
         for name, mod, _, sc in plan:
             shapes = mod.shapes(pad_to or sc.rank)
@@ -198,10 +193,9 @@ def convert_orbax_to_peft(src: str, dst: str, *, base: str, step: int | None = N
                 key = lora.factor_key(name, which)
                 tensors.append(PlannedTensor(key, ad.dtype(mod), shape, functools.partial(parts.take, key)))
         names = [name for name, _, _, _ in plan]
-        dropout = ad.metadata.lora.dropout if ad.metadata.lora else 0.0
-        config = lora.export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, dropout, base_id)
+        config = lora.export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, ad.dropout, base_id)
         card = model_card.adapter_card(
-            base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=_step_of(ad),
+            base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=ad.step,
             rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
             target_modules=sorted({n.rsplit(".", 1)[-1] for n in names}), target=target, family=b.spec.name,
             peft_version=model_card.installed_version("peft"))
@@ -361,3 +355,125 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
             config_mismatch=mismatch, modules=len(plans), modes=dict(Counter(p.mode for p in plans.values())),
             rules=rules, kv=kv, svd_relative_error=errors, vllm_repeats_dropped=ad.vllm_repeats, bytes=total,
             seconds=round(time.perf_counter() - t0, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextLoraReport(Report):
+    """A PEFT adapter written as a MaxText LoRA checkpoint."""
+
+    direction: str
+    source: str
+    destination: str
+    family: str
+    config_mismatch: str | None
+    scan_layers: bool
+    modules: int
+    zero_layers: int  # stacked layers the adapter has no LoRA on, written as zero factors
+    lora_rank: int
+    lora_alpha: float | int
+    bytes: int
+    warnings: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        lay = "scanned" if self.scan_layers else "unscanned"
+        text = (f"peft-to-maxtext: {self.source} -> {self.destination}/0/{maxtext.ITEM}\n"
+                f"  {self.modules} modules ({lay}), lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, "
+                f"{human_bytes(self.bytes)} in {self.seconds:.2f} s\n"
+                f"  MaxText: lora.lora_restore_path={self.destination.rstrip('/')}/0/{maxtext.ITEM} with "
+                f"scan_layers={str(self.scan_layers).lower()}")
+        if self.zero_layers:
+            text += f"\n  {self.zero_layers} stacked layer factors without LoRA in the adapter written as zeros"
+        return text + "".join(f"\n  warning: {w}" for w in self.warnings)
+
+
+def convert_peft_to_maxtext(src: str, dst: str, *, base: str, scan_layers: bool = False, overwrite: bool = False,
+                            compression: bool = True, workers: int | None = None,
+                            memory_budget: str | int | None = None, progress: bool | None = None,
+                            revision: str | None = None) -> MaxTextLoraReport:
+    """PEFT adapter -> MaxText LoRA checkpoint ``DST/0/items`` (``kernel_lora_a`` = ``lora_A``
+    transposed, ``kernel_lora_b`` = ``lora_B`` transposed with the kernel's value transforms, as
+    MaxText's ``to_maxtext`` converts an adapter; stacked on axis 1 with ``scan_layers``), with
+    ``lora_rank`` and ``lora_alpha`` in the step's metadata as MaxText's trainer records them.
+    MaxText has one rank and alpha: where the adapter's modules differ, every module is padded to
+    the largest rank and its scale folded into B (exact). ``src`` and ``base`` may be Hub ids."""
+    from ckptbridge.lora import maxtext as maxtext_lora
+
+    t0 = time.perf_counter()
+    deps.require("orbax")
+    parallel = Parallelism.of(workers, memory_budget)
+    base = hub.local(base, hub.CONFIG, revision=revision, what="base model")
+    src = hub.local(src, hub.ADAPTER, what="adapter")
+    check_destination(dst, [src, base], overwrite)
+    b = open_base(base)
+    mt = maxtext.maxtext_spec(b.spec, b.path)
+    mismatch = specs.note_mismatch(b.cfg)
+    with lora.open_peft_lora(src, b) as ad:
+        if ad.params:
+            names = sorted({name.split("layers.", 1)[-1].split(".", 1)[-1] for name in ad.params})
+            raise UnsupportedError(
+                f"{src}: LoRA on {', '.join(names)} (target_parameters): MaxText's experts take no LoRA in "
+                "ckptbridge; merge the adapter into the base instead (ckptbridge merge)")
+        leaves = maxtext_layout.plan(mapping.entries(b.cfg, b.spec, b.prefix), mt, scan_layers, b.cfg.flags)
+        where: dict[str, tuple[maxtext_lora.FactorLeaves, int]] = {}
+        for f in maxtext_lora.factor_leaves(b, leaves):
+            for pos, (mod, i) in enumerate(f.targets):
+                where[mod.hf_modules[i]] = (f, pos)
+        missing = [n for n in ad.keys if n not in where]
+        if missing:
+            raise UnsupportedError(f"{src}: LoRA on {missing[0]}{more(missing)}, which has no LoRA form in MaxText's "
+                                   f"layout of {b.spec.name}; merge the adapter into the base instead")
+        counts = Counter(ad.scaling[n].scale for n in ad.keys)
+        scale = counts.most_common(1)[0][0]
+        rank = max(ad.scaling[n].rank for n in ad.keys)
+        warnings: list[str] = []
+        if len(counts) > 1 or len({ad.scaling[n].rank for n in ad.keys}) > 1:
+            warnings.append(f"ranks/scales differ between modules: padded every module to rank {rank} and folded "
+                            "the per-module scales into kernel_lora_b (MaxText has one rank and alpha)")
+        elif any(ad.scaling[n].rslora for n in ad.keys):
+            warnings.append("rsLoRA: lora_alpha written as the scale times the rank (MaxText scales by alpha / rank)")
+        for w in warnings:
+            log.warning(w)
+        alpha = lora.plain_number(scale * rank)
+        users: dict[maxtext_lora.FactorLeaves, dict[int, str]] = {}
+        for n in ad.keys:
+            f, pos = where[n]
+            users.setdefault(f, {})[pos] = n
+
+        def made(f: maxtext_lora.FactorLeaves) -> tuple[np.ndarray, np.ndarray]:
+            dtype = ad.dtype(next(iter(users[f].values())))
+            out = [np.zeros(s, dtype) for s in f.shapes(rank)]
+            for pos, n in users[f].items():
+                a0, b0 = ad.pair(n)
+                for full, x in zip(out, f.to_maxtext(pos, *_padded(a0, b0, ad.scaling[n], rank, scale))):
+                    full[f.region(pos, full.ndim)] = f.leaf.stacked(x.astype(dtype, copy=False))
+            return out[0], out[1]
+
+        shared = {f: Shared(functools.partial(made, f), uses=2) for f in users}
+
+        def factor(f: maxtext_lora.FactorLeaves, which: int) -> np.ndarray:
+            return shared[f].get()[which]
+
+        flat: dict[tuple[str, ...], orbax_io.LazyArray] = {}
+        for f, at in users.items():
+            dtype = ad.dtype(next(iter(at.values())))
+            for which, (path, shape) in enumerate(zip(f.paths, f.shapes(rank))):
+                flat[maxtext.ROOT + path + ("value",)] = orbax_io.LazyArray(
+                    shape, dtype, functools.partial(factor, f, which))
+        tree = {**orbax_io.nest(flat), "step": np.asarray(0, np.int64)}  # MaxText's TrainState step
+        meta = {maxtext.SCAN_KEY: scan_layers,
+                maxtext_lora.LORA_KEY: {"enable_lora": True, "lora_rank": rank, "lora_alpha": alpha},
+                KEY: Metadata(kind="lora", family=b.spec.name, base=os.path.abspath(b.path), key_prefix=b.prefix,
+                              source=os.path.abspath(src)).to_json()}
+        total = sum(leaf.nbytes for leaf in flat.values())
+        bar = Progress(total, "peft -> maxtext", enabled=progress)
+        for leaf in flat.values():
+            leaf.on_written = bar.update
+        with atomic_directory(dst, overwrite) as tmp, parallel.engine("p2m") as engine:
+            orbax_io.save_manager_step(tmp, 0, tree, meta, item=maxtext.ITEM, compression=compression, engine=engine)
+        bar.close()
+        return MaxTextLoraReport(
+            direction="peft-to-maxtext", source=src, destination=dst, family=b.spec.name, config_mismatch=mismatch,
+            scan_layers=scan_layers, modules=len(ad.keys),
+            zero_layers=sum(len(f.targets) - len(at) for f, at in users.items()), lora_rank=rank,
+            lora_alpha=alpha, bytes=total, warnings=warnings, seconds=round(time.perf_counter() - t0, 3))

@@ -4,6 +4,7 @@
     ckptbridge convert orbax-to-safetensors SRC DST [--config HF_CONFIG] [--max-shard-size 5GB] [--quantize int8|fp8]
     ckptbridge convert orbax-to-peft SRC DST --base BASE [--alpha A] [--target hf|vllm]
     ckptbridge convert peft-to-orbax SRC DST --base BASE [--kv exact|svd]
+    ckptbridge convert peft-to-maxtext SRC DST --base BASE [--scan-layers]
     ckptbridge convert safetensors-to-maxtext SRC DST [--scan-layers]
     ckptbridge convert maxtext-to-safetensors SRC DST [--config HF_CONFIG]
     ckptbridge convert orbax-to-maxtext SRC DST [--scan-layers]
@@ -187,6 +188,15 @@ def cmd_p2o(args) -> int:
     return 0
 
 
+def cmd_p2m(args) -> int:
+    from ckptbridge.adapters import convert_peft_to_maxtext
+
+    _emit(args, convert_peft_to_maxtext(args.src, args.dst, base=args.base, scan_layers=args.scan_layers,
+                                        overwrite=args.overwrite, compression=not args.no_compression,
+                                        **_parallel(args), progress=_progress(args), revision=args.revision))
+    return 0
+
+
 def cmd_to_gguf(args) -> int:
     from ckptbridge.gguf_export import convert_to_gguf
 
@@ -360,10 +370,10 @@ def _step_option(sp, what: str = "step of a checkpoint-manager root (default: la
 
 
 def _orbax_lora_options(sp) -> None:
-    """--step and --alpha of a verb that also takes a Tunix/qwix Orbax LoRA checkpoint."""
+    """--step and --alpha of a verb that also takes a Tunix/qwix or MaxText LoRA checkpoint."""
     _step_option(sp, "step of an Orbax checkpoint root (default: latest)")
-    sp.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax checkpoint that does not record it "
-                    "(scale = alpha / rank)")
+    sp.add_argument("--alpha", type=float, help="LoRA alpha of an Orbax or MaxText checkpoint that does not record "
+                    "it (scale = alpha / rank)")
 
 
 # --------------------------------------------------------------------------- one function per verb
@@ -522,13 +532,14 @@ def add_m2s(csub) -> None:
 
 def add_o2p(csub) -> None:
     sp = csub.add_parser(
-        "orbax-to-peft", help="Tunix/qwix LoRA checkpoint -> PEFT adapter",
+        "orbax-to-peft", help="Tunix/qwix or MaxText LoRA checkpoint -> PEFT adapter",
         description="Convert a Tunix/qwix LoRA checkpoint (checkpoint-manager root, step directory or its "
-        "model_params) into a PEFT adapter for the HF base model. Reads files only: no model, no accelerator.",
+        "model_params) or a MaxText LoRA checkpoint (kernel_lora_a/kernel_lora_b; items or model_params, scanned "
+        "or not) into a PEFT adapter for the HF base model. Reads files only: no model, no accelerator.",
         epilog=EPILOG,
     )
-    sp.add_argument("src", metavar="SRC", help="LoRA checkpoint: root with step directories, a step, or model_params "
-                    "(local or gs://BUCKET/PATH)")
+    sp.add_argument("src", metavar="SRC", help="LoRA checkpoint: root with step directories, a step, or its "
+                    "model_params / items (local or gs://BUCKET/PATH)")
     sp.add_argument("dst", metavar="DST", help="PEFT adapter directory to create")
     _base_option(sp)
     _orbax_lora_options(sp)
@@ -560,6 +571,27 @@ def add_p2o(csub) -> None:
     _revision_option(sp, "BASE")
     _output_options(sp)
     sp.set_defaults(extra="orbax", func=cmd_p2o)
+
+
+def add_p2m(csub) -> None:
+    sp = csub.add_parser(
+        "peft-to-maxtext", help="PEFT adapter -> MaxText LoRA checkpoint",
+        description="Convert a PEFT LoRA adapter into a MaxText LoRA checkpoint DST/0/items (kernel_lora_a and "
+        "kernel_lora_b beside each kernel's path, as MaxText's to_maxtext converts an adapter), with lora_rank and "
+        "lora_alpha in the step's metadata. Load it with lora.lora_restore_path=DST/0/items and the same "
+        "scan_layers.",
+        epilog=EPILOG,
+    )
+    sp.add_argument("src", metavar="SRC", help="PEFT adapter directory or Hub id")
+    sp.add_argument("dst", metavar="DST", help="MaxText checkpoint directory to create (local or gs://BUCKET/PATH)")
+    _base_option(sp)
+    sp.add_argument("--scan-layers", action="store_true",
+                    help="stack the layers on axis 1, for MaxText's scan_layers=true (default: decoder/layers_{i})")
+    sp.add_argument("--no-compression", action="store_true", help="store the factors without zstd")
+    _parallel_options(sp, "convert factors while earlier ones are written")
+    _revision_option(sp, "BASE")
+    _output_options(sp)
+    sp.set_defaults(extra="orbax", func=cmd_p2m)
 
 
 def _gguf_options(sp, default: str, what: str, named_after: str) -> None:
@@ -620,12 +652,12 @@ def add_adapter_to_gguf(csub) -> None:
 def add_merge(sub) -> None:
     sp = sub.add_parser(
         "merge", help="merge a LoRA adapter into the base model", epilog=EPILOG,
-        description="Merge a PEFT adapter or a Tunix/qwix LoRA checkpoint into the HF base model, tensor by "
-        "tensor (float32 accumulation, base dtype kept), writing a sharded HF model directory.",
+        description="Merge a PEFT adapter, a Tunix/qwix LoRA checkpoint or a MaxText LoRA checkpoint into the HF "
+        "base model, tensor by tensor (float32 accumulation, base dtype kept), writing a sharded HF model directory.",
     )
     sp.add_argument("base", metavar="BASE", help="HF base model directory or Hub id")
-    sp.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or an Orbax LoRA "
-                    "checkpoint (local or gs://)")
+    sp.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory or Hub id, or a Tunix or MaxText "
+                    "LoRA checkpoint (local or gs://)")
     sp.add_argument("dst", metavar="DST", help="merged HF model directory to create")
     _orbax_lora_options(sp)
     _max_shard_size_option(sp)
@@ -793,7 +825,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     conv = sub.add_parser("convert", help="convert a checkpoint", description="Convert a checkpoint.", epilog=EPILOG)
     csub = conv.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    for add in (add_s2o, add_o2s, add_s2m, add_m2s, add_o2m, add_m2o, add_o2p, add_p2o, add_to_gguf,
+    for add in (add_s2o, add_o2s, add_s2m, add_m2s, add_o2m, add_m2o, add_o2p, add_p2o, add_p2m, add_to_gguf,
                 add_adapter_to_gguf):
         add(csub)
     add_merge(sub)

@@ -61,7 +61,7 @@ def convert_adapter_to_gguf(adapter: str, dst: str, *, base: str, step: int | No
                             alpha: float | None = None, outtype: str = "f32", name: str | None = None,
                             overwrite: bool = False, progress: bool | None = None,
                             revision: str | None = None) -> GGUFAdapterReport:
-    """Write ``adapter`` (PEFT directory or Hub id, or a Tunix/qwix Orbax LoRA checkpoint) for the
+    """Write ``adapter`` (PEFT directory or Hub id, or a Tunix/qwix or MaxText LoRA checkpoint) for the
     HF model ``base`` (its config and key names; weights are not read) as the GGUF LoRA ``dst``.
     ``outtype``: stored type of the factors (default f32, as ggml's converter). Its base in GGUF
     is ``convert_to_gguf(base, ...)``."""

@@ -60,7 +60,7 @@ def supported() -> list[str]:
     return sorted(s.name for s in specs.FAMILIES.values() if s.maxtext is not None)
 
 
-def _maxtext_spec(spec: FamilySpec, where: str):
+def maxtext_spec(spec: FamilySpec, where: str):
     if spec.maxtext is None:
         raise UnsupportedError(f"{where}: {spec.name} has no MaxText layout in ckptbridge yet "
                                f"(supported: {', '.join(supported())})")
@@ -184,7 +184,7 @@ def _write_maxtext(rows: RowSource, entries: list[mapping.Entry], cfg: ModelConf
                    desc: str) -> tuple[int, int, dict[str, str]]:
     """Write the MaxText checkpoint of ``entries`` (values from ``rows``) at ``dst``: (parameters,
     bytes, the value transforms applied by rule)."""
-    spec = _maxtext_spec(family, where)
+    spec = maxtext_spec(family, where)
     leaves = maxtext_layout.plan(entries, spec, scan_layers, cfg.flags, vocab=vocab_size)
     flat = {ROOT + leaf.path: _leaf_to_maxtext(rows, leaf, spec, chunk_bytes) for leaf in leaves}
     total = sum(leaf.nbytes for leaf in flat.values())
@@ -288,6 +288,64 @@ def convert_orbax_to_maxtext(src: str, dst: str, *, scan_layers: bool = False, c
 # --------------------------------------------------------------------------- MaxText -> HF
 
 
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """MaxText's parameters in a checkpoint's tree, by their Linen path under ``params/params``
+    (``decoder/layers_0/mlp/wo/kernel``): their (shape, dtype) and where each is stored (under
+    ``params/params`` or at the top of an NNX tree, with or without a ``value`` level under it,
+    NNX layer lists ``layers/0`` as Linen's ``layers_0``, as MaxText's ``to_huggingface`` reads them)."""
+
+    nnx: bool
+    params: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]
+    stored: dict[tuple[str, ...], tuple[str, ...]]
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers are stacked (no ``decoder/layers_{i}``)."""
+        return not any(len(p) > 1 and p[0] == "decoder" and re.fullmatch(r"layers_[0-9]+", p[1])
+                       for p in self.params)
+
+    @property
+    def lora(self) -> list[tuple[str, ...]]:
+        """The LoRA factors' paths (``kernel_lora_a`` / ``kernel_lora_b``), sorted."""
+        return sorted(p for p in self.params if p[-1].endswith(LORA_SUFFIXES))
+
+
+LORA_SUFFIXES = ("_lora_a", "_lora_b")  # qwix's factors beside a weight, named after it
+
+
+def _linen_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    """A stored path as Linen names it: no ``value`` level under the leaf, ``layers/0`` as ``layers_0``."""
+    if path[-1:] == ("value",):
+        path = path[:-1]
+    out: list[str] = []
+    for name in path:
+        if name.isdigit() and out:
+            out[-1] = f"{out[-1]}_{name}"
+        else:
+            out.append(name)
+    return tuple(out)
+
+
+def read_tree(ckpt: orbax_io.OrbaxCheckpoint) -> Tree:
+    """MaxText's parameters in ``ckpt``; a MismatchError when it holds none (not a MaxText checkpoint)."""
+    paths = list(ckpt.leaves)
+    if any(p[:3] in (ROOT + ("decoder",), ROOT + ("token_embedder",)) for p in paths):
+        root: tuple[str, ...] = ROOT
+    elif any(p[:1] in (("decoder",), ("token_embedder",)) for p in paths):
+        root = ()
+    else:
+        raise MismatchError(f"{ckpt.path}: not a MaxText checkpoint (no params/params/decoder tree, nor an NNX "
+                            "decoder tree); for a Tunix checkpoint use `ckptbridge convert orbax-to-safetensors`")
+    params, stored = {}, {}
+    for p, v in ckpt.leaves.items():
+        if p[:len(root)] == root and p[len(root):len(root) + 1] in (("decoder",), ("token_embedder",)) \
+                and not any(n == "rngs" or n.endswith("_rngs") for n in p):  # NNX's random state
+            name = _linen_path(p[len(root):])
+            params[name], stored[name] = v, p
+    return Tree(not root, params, stored)
+
+
 @dataclasses.dataclass
 class MaxTextSource:
     """A MaxText checkpoint checked against its family's rows (no leaf read yet)."""
@@ -298,13 +356,15 @@ class MaxTextSource:
     prefix: str
     entries: list[mapping.Entry]
     leaves: list[Leaf]
-    root: tuple[str, ...]  # ROOT (Linen tree) or () (NNX SFT tree)
-    suffix: tuple[str, ...]  # ("value",) in NNX trees
-    scan_layers: bool
+    tree: Tree
     config_dir: str | None  # where non-weight files come from when not stored with the checkpoint
 
+    @property
+    def scan_layers(self) -> bool:
+        return self.tree.scanned
+
     def path(self, leaf: Leaf) -> tuple[str, ...]:
-        return self.root + leaf.path + self.suffix
+        return self.tree.stored[leaf.path]
 
     def dtype(self, leaf: Leaf) -> np.dtype:
         return self.ckpt.leaves[self.path(leaf)][1]
@@ -332,33 +392,35 @@ def resolve(src: str, step: int | None = None) -> str:
         raise
 
 
-def _tree_root(ckpt: orbax_io.OrbaxCheckpoint) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Where MaxText's parameters sit in the checkpoint's tree, and the level under each leaf."""
-    paths = list(ckpt.leaves)
-    if any(p[:3] in (ROOT + ("decoder",), ROOT + ("token_embedder",)) for p in paths):
-        return ROOT, ()
-    if any(p[:1] in (("decoder",), ("token_embedder",)) for p in paths):
-        return (), ("value",) if any(p[-1] == "value" for p in paths) else ()
-    raise MismatchError(f"{ckpt.path}: not a MaxText checkpoint (no params/params/decoder tree, nor an NNX "
-                        "decoder tree); for a Tunix checkpoint use `ckptbridge convert orbax-to-safetensors`")
-
-
-def _is_scanned(params) -> bool:
-    """Whether MaxText parameter paths are those of stacked layers (no ``decoder/layers_{i}``)."""
-    return not any(len(p) > 1 and p[0] == "decoder" and re.fullmatch(r"layers_[0-9]+", p[1]) for p in params)
-
-
 def describe(ckpt: orbax_io.OrbaxCheckpoint) -> dict | None:
     """What ``inspect`` says of a MaxText checkpoint (None when ``ckpt`` is not one): its tree
     (Linen ``params/params`` or NNX SFT), whether its layers are scanned, and whether it holds LoRA."""
     try:
-        root, suffix = _tree_root(ckpt)
+        tree = read_tree(ckpt)
     except MismatchError:
         return None
-    params = [p[len(root):] for p in ckpt.leaves if p[:len(root)] == root]
-    return {"tree": "linen (params/params)" if root else "nnx (model_params)",
-            "scan_layers": _is_scanned(params),
-            "lora": any(p[-1 - len(suffix)].endswith(("_lora_a", "_lora_b")) for p in params)}
+    return {"tree": "nnx (model_params)" if tree.nnx else "linen (params/params)", "scan_layers": tree.scanned,
+            "lora": bool(tree.lora)}
+
+
+def model_plan(tree: Tree, cfg: ModelConfig, spec: FamilySpec, prefix: str,
+               where: str) -> tuple[list[mapping.Entry], list[Leaf]]:
+    """The rows of the model ``cfg`` describes and their MaxText parameters in the form ``tree``
+    has (scanned or not; MaxText's vocabulary where the tree holds a padded embedding)."""
+    mt = maxtext_spec(spec, where)
+    ents = mapping.entries(cfg, spec, prefix)
+    leaves = maxtext_layout.plan(ents, mt, tree.scanned, cfg.flags)
+    padded = [leaf for leaf in leaves if leaf.part.pad and leaf.path in tree.params]
+    if padded:  # MaxText's vocabulary is what its embedding holds
+        leaves = maxtext_layout.plan(ents, mt, tree.scanned, cfg.flags, vocab=tree.params[padded[0].path][0][0])
+    return ents, leaves
+
+
+def check_scan_metadata(ckpt: orbax_io.OrbaxCheckpoint, tree: Tree) -> None:
+    recorded = ckpt.custom_metadata.get(SCAN_KEY)
+    if isinstance(recorded, bool) and recorded != tree.scanned:
+        raise MismatchError(f"{ckpt.path}: its metadata says scan_layers={recorded}, but its tree is "
+                            f"{'scanned' if tree.scanned else 'unscanned'}; the checkpoint is inconsistent")
 
 
 def open_maxtext_source(src: str, *, config: str | None = None, step: int | None = None) -> MaxTextSource:
@@ -376,14 +438,11 @@ def open_maxtext_source(src: str, *, config: str | None = None, step: int | None
 
 def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSource:
     path = ckpt.path
-    root, suffix = _tree_root(ckpt)
-    params = {p[len(root):len(p) - len(suffix)]: v for p, v in ckpt.leaves.items()
-              if p[:len(root)] == root and p[len(p) - len(suffix):] == suffix
-              and p[len(root):len(root) + 1] in (("decoder",), ("token_embedder",))}
-    lora = sorted(p for p in params if p[-1].endswith(("_lora_a", "_lora_b")))
-    if lora:
-        raise UnsupportedError(f"{path}: holds LoRA parameters ({'/'.join(lora[0])}{more(lora)}); "
-                               "MaxText LoRA checkpoints are not converted yet")
+    tree = read_tree(ckpt)
+    if tree.lora:
+        raise UnsupportedError(f"{path}: holds LoRA parameters ({'/'.join(tree.lora[0])}{more(tree.lora)}); merge "
+                               "them into the base with `ckptbridge merge BASE " + path + " DST`, or export them "
+                               "with `ckptbridge convert orbax-to-peft`")
     meta = ckpt.metadata
     config_dir = None
     if config is not None:
@@ -395,21 +454,14 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
         raise ConfigError(f"{path}: a MaxText checkpoint carries no HF config; pass config (--config) with the "
                           "model's config.json (or its directory)")
     spec = specs.family_for(hf_config, where)
-    mt = _maxtext_spec(spec, where)
+    maxtext_spec(spec, where)
     cfg = spec.parse_config(hf_config, where)
     prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
-    scanned = _is_scanned(params)
-    recorded = ckpt.custom_metadata.get(SCAN_KEY)
-    if isinstance(recorded, bool) and recorded != scanned:
-        raise MismatchError(f"{path}: its metadata says scan_layers={recorded}, but its tree is "
-                            f"{'scanned' if scanned else 'unscanned'}; the checkpoint is inconsistent")
-    ents = mapping.entries(cfg, spec, prefix)
-    leaves = maxtext_layout.plan(ents, mt, scanned, cfg.flags)
-    padded = [leaf for leaf in leaves if leaf.part.pad and leaf.path in params]
-    if padded:  # MaxText's vocabulary is what its embedding holds
-        leaves = maxtext_layout.plan(ents, mt, scanned, cfg.flags, vocab=params[padded[0].path][0][0])
+    check_scan_metadata(ckpt, tree)
+    ents, leaves = model_plan(tree, cfg, spec, prefix, where)
+    params = tree.params
     expected = {leaf.path: leaf for leaf in leaves}
-    form = "scanned" if scanned else "unscanned"
+    form = "scanned" if tree.scanned else "unscanned"
     missing = [p for p in expected if p not in params]
     if missing:
         raise MismatchError(f"{path}: MaxText parameter {'/'.join(missing[0])} is missing{more(missing)}; the "
@@ -424,7 +476,7 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
             raise MismatchError(f"{path}: MaxText parameter {'/'.join(p)} has shape {params[p][0]}, the config "
                                 f"implies {leaf.shape} ({form}, layout {leaf.layout}); the checkpoint and the config "
                                 "disagree")
-    return MaxTextSource(ckpt, cfg, spec, prefix, ents, leaves, root, suffix, scanned, config_dir)
+    return MaxTextSource(ckpt, cfg, spec, prefix, ents, leaves, tree, config_dir)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@
 - :mod:`.adapter`: an adapter of either kind and its deltas in HF layout.
 """
 
-from ckptbridge.lora.adapter import Adapter, hf_deltas, open_adapter
+from ckptbridge.lora.adapter import Adapter, hf_deltas, open_adapter, open_checkpoint_lora
 from ckptbridge.lora.base import Base, make_base, open_base
 from ckptbridge.lora.modules import (
                                      LoraLayouts,
@@ -40,5 +40,6 @@ from ckptbridge.lora.select import module_regex
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "Adapter", "AdapterConfig", "Base", "LoraLayouts",
            "LoraModule", "OrbaxLora", "ParamLora", "PeftLora", "Scaling", "export_config", "factor_key",
            "hf_deltas", "lora_layouts", "lora_modules", "make_base", "module_regex", "open_adapter", "open_base",
+           "open_checkpoint_lora",
            "open_orbax_lora", "open_peft_lora", "parse_factor_key", "pattern_value", "peft_to_tunix",
            "plain_number", "rules_for", "scaling_from_rules", "target_modules_regex", "tunix_to_peft"]

@@ -10,10 +10,11 @@ import numpy as np
 
 from ckptbridge import mapping
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
+from ckptbridge.io import storage
 from ckptbridge.io.files import close_on_error
 from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 from ckptbridge.lora.base import Base
-from ckptbridge.lora.modules import LoraModule, Scaling
+from ckptbridge.lora.modules import LoraModule, Scaling, tunix_to_peft
 from ckptbridge.lora.rules import scaling_from_rules
 from ckptbridge.metadata import Metadata
 from ckptbridge.qwix_lora import is_lora_leaf
@@ -90,6 +91,31 @@ class OrbaxLora:
 
     def dtype(self, mod: LoraModule) -> np.dtype:
         return self.ckpt.leaves[mod.leaves[0] + self.suffix][1]
+
+    def targets(self) -> list[tuple[LoraModule, int]]:
+        """Every (module, index of one of its HF modules) with factors."""
+        return [(m, i) for m in self.scaling for i in range(len(m.hf_modules))]
+
+    def peft_reads(self) -> list[tuple[int, functools.partial]]:
+        """The factors in batches (:meth:`batches`): (bytes, a read that gives the PEFT
+        ``(lora_A, lora_B)`` of each of the batch's targets)."""
+        return [(sum(self.module_bytes(m) for m in b), functools.partial(self._peft_batch, b)) for b in self.batches()]
+
+    def _peft_batch(self, batch: list[LoraModule]) -> dict[tuple[LoraModule, int], tuple[np.ndarray, np.ndarray]]:
+        return {(mod, i): pair for mod, f in self.read_batch(batch).items()
+                for i, pair in enumerate(tunix_to_peft(mod, *f))}
+
+    @property
+    def dropout(self) -> float:
+        return self.metadata.lora.dropout if self.metadata.lora else 0.0
+
+    @property
+    def step(self) -> int | None:
+        """The training step: recorded, or the name of the step directory."""
+        if self.metadata.step is not None:
+            return self.metadata.step
+        name = storage.basename(storage.dirname(storage.absolute(self.path)))
+        return int(name) if name.isdigit() else None
 
     def close(self) -> None:
         self._ready.clear()
