@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from ckptbridge import layout, mapping
@@ -21,6 +22,7 @@ from ckptbridge.errors import MismatchError, UnsupportedError
 from ckptbridge.specs.maxtext import MaxTextSpec, Part
 
 SCAN_AXIS = 1  # MaxText's param_scan_axis (base.yml)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 STACK_AXES = ("blk", "sub")  # the stacked layer axes: blocks (axis 1), positions in a block (axis 2)
 
 
@@ -197,37 +199,68 @@ def _deinterleave(x: np.ndarray, ax: int, n: int) -> np.ndarray:
     return _pairs(x, ax, n, (n // 2, 2))
 
 
+_PASS = 1 << 16  # elements per pass of :func:`_times`: its float32 working copy stays in cache
+
+
+def _times(x: np.ndarray, factor, divide: bool = False) -> np.ndarray:
+    """``x * factor`` (or ``x / factor``) with a float32 scalar in float32 arithmetic, rounded back
+    to ``x``'s dtype. bfloat16 goes in cache-sized passes with both casts as integer operations (to
+    float32: a shift; back: round to nearest even on the bits, as ml_dtypes rounds), the same bytes
+    as NumPy's casts in a third of the time (a 31B embedding: 1.4 G values each way)."""
+    f = np.float32(factor)
+    if x.dtype != _BF16 or x.size < _PASS:
+        y = x.astype(np.float32)
+        return (np.divide(y, f, out=y) if divide else np.multiply(y, f, out=y)).astype(x.dtype)
+    src = np.ascontiguousarray(x).view(np.uint16).reshape(-1)
+    out = np.empty(src.shape, np.uint16)
+    wide, low = np.empty(_PASS, np.uint32), np.empty(_PASS, np.uint32)
+    op = np.divide if divide else np.multiply
+    for i in range(0, len(src), _PASS):
+        n = min(_PASS, len(src) - i)
+        b, t = wide[:n], low[:n]
+        b[...] = src[i:i + n]
+        b <<= 16
+        v = b.view(np.float32)
+        with np.errstate(over="ignore"):  # to infinity, as NumPy's float32 product rounds it
+            op(v, f, out=v)
+        np.right_shift(b, 16, out=t)  # round to nearest, ties to even: + 0x7fff + the kept part's lowest bit
+        t &= 1
+        t += 0x7FFF
+        b += t
+        b >>= 16
+        out[i:i + n] = b
+    return out.view(x.dtype).reshape(x.shape)
+
+
 def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
     """``x * factor`` computed in float32 and cast back to ``x``'s dtype (MaxText's
     ``scale_query_layer``: a float32 scalar, float32 arithmetic)."""
-    return (x.astype(np.float32) * np.float32(factor)).astype(x.dtype)
+    return _times(x, factor)
 
 
 def _embed_scaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
     """``x * sqrt(n)`` with a float32 scalar, in float32, cast back (MaxText's
     ``pad_hf_embedding_layer``: NumPy 2 promotes a bf16 array times a float32 scalar to float32)."""
-    return (x.astype(np.float32) * np.float32(np.sqrt(n))).astype(x.dtype)
+    return _times(x, np.sqrt(n))
 
 
 def _embed_unscaled(x: np.ndarray, ax: int, n: int) -> np.ndarray:
     """``x / sqrt(n)`` the same way (its way back: a division, not a product with the inverse)."""
-    return (x.astype(np.float32) / np.float32(np.sqrt(n))).astype(x.dtype)
+    return _times(x, np.sqrt(n), divide=True)
 
 
 def _embed_scaled_bf16(x: np.ndarray, ax: int, n: int) -> np.ndarray:
     """``x * sqrt(n)`` with the scalar rounded to bfloat16 first (MaxText's
     ``pad_and_scale_embedding``, as HF's model casts ``embed_scale`` to the weights' dtype)."""
-    return (x.astype(np.float32) * np.float32(_bf16(np.sqrt(n)))).astype(x.dtype)
+    return _times(x, _bf16(np.sqrt(n)))
 
 
 def _embed_unscaled_bf16(x: np.ndarray, ax: int, n: int) -> np.ndarray:
-    return (x.astype(np.float32) / np.float32(_bf16(np.sqrt(n)))).astype(x.dtype)
+    return _times(x, _bf16(np.sqrt(n)), divide=True)
 
 
 def _bf16(v: float):
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16(v)
+    return _BF16.type(v)
 
 
 def _plus_one(x: np.ndarray, ax: int, n: int) -> np.ndarray:

@@ -4,12 +4,14 @@ every key, its shape and the HF tensors it holds, scanned and unscanned."""
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import pytest
 from conftest import MAXTEXT_ROWS, maxtext_plan
 
 from ckptbridge import mapping, specs
 from ckptbridge.errors import MismatchError
-from ckptbridge.maxtext_layout import plan
+from ckptbridge.maxtext_layout import _times, plan
 
 
 def _hf_of(leaf, e):
@@ -67,3 +69,20 @@ def test_scanning_layers_that_differ_is_one_line(maxtext_rows):
 def test_every_row_maxtext_maps_is_tested(maxtext_rows):
     """Every family row of expected.json is one of ours (a new row fails here until it converts)."""
     assert sorted(MAXTEXT_ROWS) == sorted(maxtext_rows)
+
+
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("factor", [float(np.sqrt(5376)), float(ml_dtypes.bfloat16(np.sqrt(3840))), 1 / np.sqrt(128), 3e38])
+def test_the_scale_in_integer_passes_gives_numpys_bytes(factor, divide):
+    """The value transforms' scale (a 31B embedding is 1.4 G values) runs bfloat16 through float32
+    and back with integer operations: for every bfloat16 value but NaN, in more than one pass and a
+    part of one, the bytes NumPy's casts give."""
+    bf16 = ml_dtypes.bfloat16
+    every = np.arange(1 << 16, dtype=np.uint16).view(bf16)
+    every = np.concatenate([every[~np.isnan(every.astype(np.float32))]] * 3)[:150_001]
+    with np.errstate(over="ignore"):
+        y = every.astype(np.float32)
+        want = (y / np.float32(factor) if divide else y * np.float32(factor)).astype(bf16)
+        got = _times(every, factor, divide)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
