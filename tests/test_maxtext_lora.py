@@ -234,3 +234,21 @@ def test_lora_errors_are_one_line_and_write_nothing(bases, tmp_path, capsys):
         assert not os.path.exists(tmp_path / "out"), argv
     assert main(["convert", "orbax-to-peft", no_alpha, str(tmp_path / "out"), "--base", base, "--alpha", "8",
                  "--quiet"]) == 0
+
+
+def test_factors_stacked_in_front_read_as_those_stacked_like_the_kernel(bases, tmp_path):
+    """Scanned factors with the layers on axis 0 (``[layers, in, r]``, a form MaxText's
+    to_huggingface also reads) give the adapter those stacked on axis 1 give."""
+    base, peft = bases("llama3")
+    mt, front = str(tmp_path / "mt"), str(tmp_path / "front")
+    convert_peft_to_maxtext(peft, mt, base=base, scan_layers=True, progress=False)
+    with orbax_io.OrbaxCheckpoint(os.path.join(mt, "0", ITEM)) as ckpt:
+        got = ckpt.read(list(ckpt.leaves))
+        custom = ckpt.custom_metadata
+    moved = {p: np.ascontiguousarray(np.moveaxis(v, 1, 0)) if v.ndim == 3 else v for p, v in got.items()}
+    assert sum(v.ndim == 3 for v in moved.values()) == 14
+    orbax_io.save_manager_step(front, 0, orbax_io.nest(moved), custom, item=ITEM)
+    convert_orbax_to_peft(mt, str(tmp_path / "a"), base=base, progress=False)
+    convert_orbax_to_peft(front, str(tmp_path / "b"), base=base, progress=False)
+    a, b = _peft(str(tmp_path / "a")), _peft(str(tmp_path / "b"))
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)

@@ -59,10 +59,12 @@ class FactorLeaves:
     def sizes(self, pos: int, rank: int) -> dict:
         return {**self.leaf.entries[pos].sizes, "r": rank}
 
-    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The stored shapes of A and B (stacked where the kernel is)."""
+    def shapes(self, rank: int, lead: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The stored shapes of A and B (stacked where the kernel is; with ``lead``, on axis 0)."""
         n = len(self.leaf.stack)
         sizes = {**self.leaf.sizes, "r": rank}
+        if lead:
+            return tuple((*self.leaf.stack, *layout.shape(lay, sizes)) for lay in (self.a, self.b))  # type: ignore[return-value]
         return (layout.shape(maxtext_layout.scanned_layout(self.a, n), sizes),
                 layout.shape(maxtext_layout.scanned_layout(self.b, n), sizes))
 
@@ -132,6 +134,7 @@ class MaxTextLora:
     factors: list[tuple[FactorLeaves, tuple[int, ...]]]  # factor leaves present, and their entries with LoRA
     scaling: dict[LoraModule, Scaling]
     step: int | None
+    leading: set[FactorLeaves] = dataclasses.field(default_factory=set)  # stacked on axis 0, not as the kernel
     dropout: float = 0.0
     batch_bytes: int = 32 << 20
 
@@ -175,6 +178,8 @@ class MaxTextLora:
         out = {}
         for f, positions in batch:
             a, b = (got[self.tree.stored[p]] for p in f.paths)
+            if f in self.leading:
+                a, b = np.moveaxis(a, 0, 1), np.moveaxis(b, 0, 1)
             for pos in positions:
                 one = [f.leaf.one(x[f.region(pos, x.ndim)]) for x in (a, b)]
                 out[f.targets[pos]] = f.to_peft(pos, *one)
@@ -228,6 +233,7 @@ def open_maxtext_lora(ckpt: orbax_io.OrbaxCheckpoint, base: Base, *, alpha: floa
             raise MismatchError(f"{path}: {'/'.join(p)} is not a LoRA factor of any {base.spec.name} module of the "
                                 f"base {base.path} ({form}); the adapter belongs to another model")
     present: list[FactorLeaves] = []
+    leading: set[FactorLeaves] = set()
     ranks: dict[int, str] = {}
     for f in dict.fromkeys(by_path.values()):
         a, b = (p in tree.params for p in f.paths)
@@ -239,7 +245,9 @@ def open_maxtext_lora(ckpt: orbax_io.OrbaxCheckpoint, base: Base, *, alpha: floa
         sa, sb = (tree.params[p][0] for p in f.paths)
         rank = sa[-1] if sa else 0
         want = f.shapes(rank)
-        if rank < 1 or (sa, sb) != want:
+        if rank >= 1 and len(f.leaf.stack) == 1 and (sa, sb) != want and (sa, sb) == f.shapes(rank, lead=True):
+            leading.add(f)  # the layers stacked in front (as MaxText's to_huggingface also reads them)
+        elif rank < 1 or (sa, sb) != want:
             raise MismatchError(f"{path}: {name} LoRA shapes A {sa} / B {sb} do not fit the base {base.path} "
                                 f"(expected A {want[0]}, B {want[1]} at rank {rank}, {form}); wrong base (--base)?")
         ranks.setdefault(rank, name)
@@ -269,7 +277,7 @@ def open_maxtext_lora(ckpt: orbax_io.OrbaxCheckpoint, base: Base, *, alpha: floa
     if step is None:
         name = storage.basename(storage.dirname(storage.absolute(path)))
         step = int(name) if name.isdigit() else None
-    return MaxTextLora(path, ckpt, base, tree, factors, scaling, step)
+    return MaxTextLora(path, ckpt, base, tree, factors, scaling, step, leading)
 
 
 __all__ = ["FactorLeaves", "MaxTextLora", "factor_leaves", "is_maxtext", "open_maxtext_lora"]
