@@ -292,6 +292,14 @@ def _module_factors(ad: lora.PeftLora, mod: LoraModule,
     return (*lora.peft_to_tunix(mod, full), err)
 
 
+def _no_expert_lora(ad: lora.PeftLora, src: str, why: str) -> None:
+    """Refuse an adapter with LoRA on experts (PEFT's ``target_parameters``), saying ``why``."""
+    if ad.params:
+        names = sorted({name.split("layers.", 1)[-1].split(".", 1)[-1] for name in ad.params})
+        raise UnsupportedError(f"{src}: LoRA on {', '.join(names)} (target_parameters, {len(ad.params)} in all): "
+                               f"{why}; merge the adapter into the base instead (ckptbridge merge)")
+
+
 def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", step: int = 0,
                           overwrite: bool = False, workers: int | None = None, memory_budget: str | int | None = None,
                           progress: bool | None = None, revision: str | None = None) -> OrbaxLoraReport:
@@ -312,11 +320,7 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
     b = open_base(base)
     mismatch = specs.note_mismatch(b.cfg)
     with lora.open_peft_lora(src, b) as ad:
-        if ad.params:
-            names = sorted({name.split("layers.", 1)[-1].split(".", 1)[-1] for name in ad.params})
-            raise UnsupportedError(
-                f"{src}: LoRA on {', '.join(names)} (target_parameters, {len(ad.params)} in all): Tunix's experts are "
-                "raw parameters that qwix puts no LoRA on; merge the adapter into the base instead (ckptbridge merge)")
+        _no_expert_lora(ad, src, "Tunix's experts are raw parameters that qwix puts no LoRA on")
         plans = {m: _plan_module(ad, m, kv) for m in b.modules if any(n in ad.keys for n in m.hf_modules)}
         errors: dict[str, float] = {}
 
@@ -409,11 +413,7 @@ def convert_peft_to_maxtext(src: str, dst: str, *, base: str, scan_layers: bool 
     mt = maxtext.maxtext_spec(b.spec, b.path)
     mismatch = specs.note_mismatch(b.cfg)
     with lora.open_peft_lora(src, b) as ad:
-        if ad.params:
-            names = sorted({name.split("layers.", 1)[-1].split(".", 1)[-1] for name in ad.params})
-            raise UnsupportedError(
-                f"{src}: LoRA on {', '.join(names)} (target_parameters): MaxText's experts take no LoRA in "
-                "ckptbridge; merge the adapter into the base instead (ckptbridge merge)")
+        _no_expert_lora(ad, src, "MaxText's experts take no LoRA in ckptbridge")
         leaves = maxtext_layout.plan(mapping.entries(b.cfg, b.spec, b.prefix), mt, scan_layers, b.cfg.flags)
         where: dict[str, tuple[maxtext_lora.FactorLeaves, int]] = {}
         for f in maxtext_lora.factor_leaves(b, leaves):

@@ -23,7 +23,7 @@ from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
 from ckptbridge.lora.base import Base
-from ckptbridge.lora.modules import LoraModule, Scaling
+from ckptbridge.lora.modules import LoraModule, Scaling, in_batches
 from ckptbridge.maxtext_layout import Leaf, Transform, transforms_of
 from ckptbridge.sources import more
 
@@ -156,16 +156,7 @@ class MaxTextLora:
     def batches(self) -> list[list[tuple[FactorLeaves, tuple[int, ...]]]]:
         """The factor leaves in batches of about ``batch_bytes``, each read in one call (a stacked
         leaf whole: its layers are one stored tensor)."""
-        out: list[list] = [[]]
-        total = 0
-        for item in self.factors:
-            size = self._bytes(item[0])
-            if out[-1] and total + size > self.batch_bytes:
-                out.append([])
-                total = 0
-            out[-1].append(item)
-            total += size
-        return [b for b in out if b]
+        return in_batches(self.factors, lambda item: self._bytes(item[0]), self.batch_bytes)
 
     def peft_reads(self) -> list[tuple[int, functools.partial]]:
         """The factors in batches (:meth:`batches`): (bytes, a read that gives the PEFT

@@ -14,7 +14,7 @@ from ckptbridge.io import storage
 from ckptbridge.io.files import close_on_error
 from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 from ckptbridge.lora.base import Base
-from ckptbridge.lora.modules import LoraModule, Scaling, tunix_to_peft
+from ckptbridge.lora.modules import LoraModule, Scaling, in_batches, tunix_to_peft
 from ckptbridge.lora.rules import scaling_from_rules
 from ckptbridge.metadata import Metadata
 from ckptbridge.qwix_lora import is_lora_leaf
@@ -47,19 +47,8 @@ class OrbaxLora:
                    for p in self._leaves(mod))
 
     def batches(self) -> list[list[LoraModule]]:
-        """The modules in the order of ``scaling``, in batches of about ``batch_bytes``: one read
-        call per batch (with Orbax each call has a fixed cost, which made a 31B rank-64 export 4x
-        slower read module by module)."""
-        out: list[list[LoraModule]] = [[]]
-        total = 0
-        for mod in self.scaling:
-            size = self.module_bytes(mod)
-            if out[-1] and total + size > self.batch_bytes:
-                out.append([])
-                total = 0
-            out[-1].append(mod)
-            total += size
-        return [b for b in out if b]
+        """The modules in the order of ``scaling``, in batches of about ``batch_bytes``, each read in one call."""
+        return in_batches(self.scaling, self.module_bytes, self.batch_bytes)
 
     def read_batch(self, batch: list[LoraModule]) -> dict[LoraModule, tuple[np.ndarray, np.ndarray]]:
         """(A, B) in Tunix layout of every module of ``batch``, in one read (safe to call from
