@@ -361,7 +361,7 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
     ref = peft_logits(src, peft_dir, TOKENS)
     assert rel_l2(hf_logits(str(tmp_path / "merged"), TOKENS), ref) <= 1e-5
     # LoRA on the experts (target_parameters; one tensor per layer on disk): merged exactly, refused by
-    # peft-to-orbax in one line with nothing written
+    # peft-to-orbax and peft-to-maxtext in one line with nothing written
     experts = build_peft_adapter(src, str(tmp_path / "experts"), r=2, lora_alpha=4, seed=2, scale=1.0,
                                  target_modules=["q_proj"],
                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])
@@ -370,7 +370,8 @@ def test_gemma4_moe(tmp_path, prefix, dtype, shards):
     ref = peft_logits(src, experts, TOKENS)
     assert rel_l2(hf_logits(str(tmp_path / "merged-experts"), TOKENS), ref) <= 1e-5
     assert rel_l2(hf_logits(src, TOKENS), ref) > 1e-2
-    for argv in (("convert", "peft-to-orbax", experts, str(tmp_path / "x"), "--base", src),):
+    for argv in (("convert", "peft-to-orbax", experts, str(tmp_path / "x"), "--base", src),
+                 ("convert", "peft-to-maxtext", experts, str(tmp_path / "x"), "--base", src)):
         cli = run_cli(*argv)
         assert cli.returncode == 5 and "experts.gate_up_proj" in cli.stderr and "ckptbridge merge" in cli.stderr
         errors = [line for line in cli.stderr.splitlines() if line.startswith("ckptbridge: error:")]
