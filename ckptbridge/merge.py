@@ -91,7 +91,8 @@ def _block(model: HFModelDir, key: str, factors: list, start: int, stop: int, sc
 
 def _jobs(model: HFModelDir, deltas: Deltas, plan: Plan | None, block_bytes: int) -> Iterator[Job]:
     """The computed row blocks of every LoRA target and quantized weight in write order, each job
-    holding its float32 block; a target's float32 factors are made when its first block is started."""
+    counted at what it holds at its peak (the float32 block, the base rows it read and the rows it
+    returns); a target's float32 factors are made when its first block is started."""
     quantized = set(plan.weights) if plan else set()
     for key in model.keys():
         if key not in deltas and key not in quantized:
@@ -101,9 +102,10 @@ def _jobs(model: HFModelDir, deltas: Deltas, plan: Plan | None, block_bytes: int
         rows = _rows_per_block(model, key, block_bytes)
         factors = float32_factors(deltas.get(key, []))
         scheme = plan.scheme if plan is not None and key in quantized else None
+        held = 4 + 2 * np.dtype(numpy_dtype(info.dtype)).itemsize  # float32 rows, and the base's rows read and written
         for start in range(0, out_dim, rows):
             stop = min(start + rows, out_dim)
-            yield (stop - start) * in_dim * 4, functools.partial(_block, model, key, factors, start, stop, scheme)
+            yield (stop - start) * in_dim * held, functools.partial(_block, model, key, factors, start, stop, scheme)
 
 
 def _blocks_of(model: HFModelDir, key: str, block_bytes: int) -> int:
