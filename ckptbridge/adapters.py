@@ -28,7 +28,7 @@ from ckptbridge.io.safetensors import PlannedTensor, write_file
 from ckptbridge.lora import LoraModule, Scaling, open_base
 from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_version
 from ckptbridge.options import KV_MODES, TARGETS
-from ckptbridge.progress import Progress
+from ckptbridge.progress import Progress, progress_over
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import more
 from ckptbridge.stream import Parallelism, Parts, Shared
@@ -347,10 +347,8 @@ def convert_peft_to_orbax(src: str, dst: str, *, base: str, kv: str = "exact", s
             base=os.path.abspath(b.path), key_prefix=b.prefix, source=os.path.abspath(src), kv=kv,
             tunix_version=installed_tunix_version(),
         ).to_json()}
-        total = sum(leaf.nbytes for leaf in flat.values())
-        bar = Progress(total, "peft -> orbax", enabled=progress)
-        for leaf in flat.values():
-            leaf.on_written = bar.update
+        bar = progress_over(flat.values(), "peft -> orbax", progress)
+        total = bar.total
         with atomic_directory(dst, overwrite) as tmp, parallel.engine("p2o") as engine:
             orbax_io.save_manager_step(tmp, step, orbax_io.nest(flat), meta, engine=engine)
         bar.close()
@@ -465,10 +463,8 @@ def convert_peft_to_maxtext(src: str, dst: str, *, base: str, scan_layers: bool 
                 maxtext_lora.LORA_KEY: {"enable_lora": True, "lora_rank": rank, "lora_alpha": alpha},
                 KEY: Metadata(kind="lora", family=b.spec.name, base=os.path.abspath(b.path), key_prefix=b.prefix,
                               source=os.path.abspath(src)).to_json()}
-        total = sum(leaf.nbytes for leaf in flat.values())
-        bar = Progress(total, "peft -> maxtext", enabled=progress)
-        for leaf in flat.values():
-            leaf.on_written = bar.update
+        bar = progress_over(flat.values(), "peft -> maxtext", progress)
+        total = bar.total
         with atomic_directory(dst, overwrite) as tmp, parallel.engine("p2m") as engine:
             orbax_io.save_manager_step(tmp, 0, tree, meta, item=maxtext.ITEM, compression=compression, engine=engine)
         bar.close()

@@ -25,11 +25,11 @@ from ckptbridge.io.hf import copy_assets, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, dtype_code
 from ckptbridge.metadata import KEY, Metadata, installed_tunix_version
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
-from ckptbridge.progress import Progress
+from ckptbridge.progress import progress_over
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.sources import ASSETS_DIR, HFSource, OrbaxSource, RowSource, open_hf_source, open_orbax_source
 from ckptbridge.specs.base import tunix_version_key
-from ckptbridge.stream import CODEC_VERB_WORKERS, Job, Parallelism, Parts
+from ckptbridge.stream import Job, Parallelism, Parts
 
 log = logging.getLogger(__name__)
 __all__ = ["convert_orbax_to_safetensors", "convert_safetensors_to_orbax", "open_hf_source", "open_orbax_source"]
@@ -158,9 +158,7 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
     """
     t0 = time.perf_counter()
     deps.require("orbax")
-    chunk_bytes = options.size("chunk_size", chunk_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                              default_cap=CODEC_VERB_WORKERS)
+    chunk_bytes, parallel = Parallelism.for_chunks(chunk_size, workers, memory_budget)
     target = target_tunix_version(tunix_version)
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
@@ -169,10 +167,8 @@ def convert_safetensors_to_orbax(src: str, dst: str, *, overwrite: bool = False,
         mismatch = specs.note_mismatch(source.cfg)
         flat = {e.tunix_path: _leaf(source, e, chunk_bytes)
                 for e in mapping.for_tunix_version(source.entries, target)}
-        total = sum(leaf.nbytes for leaf in flat.values())
-        bar = Progress(total, "safetensors -> orbax", enabled=progress)
-        for leaf in flat.values():
-            leaf.on_written = bar.update
+        bar = progress_over(flat.values(), "safetensors -> orbax", progress)
+        total = bar.total
         assets = source.model.asset_files()
         with atomic_directory(dst, overwrite) as tmp:
             writer = orbax_io.save_tree(tmp, orbax_io.nest(flat), _metadata(source, "weights", assets, target),
@@ -235,10 +231,8 @@ def convert_orbax_to_safetensors(src: str, dst: str, *, config: str | None = Non
     linear projections are written quantized in the same pass, as ``ckptbridge quantize`` writes them."""
     t0 = time.perf_counter()
     scheme = quantization.get_scheme(quantize, "quantize (--quantize)") if quantize is not None else None
-    chunk_bytes = options.size("chunk_size", chunk_size)
     shard_bytes = options.size("max_shard_size", max_shard_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                              default_cap=CODEC_VERB_WORKERS)
+    chunk_bytes, parallel = Parallelism.for_chunks(chunk_size, workers, memory_budget)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source, \
             parallel.engine("o2s") as engine:

@@ -36,7 +36,7 @@ from ckptbridge.io.safetensors import PlannedTensor
 from ckptbridge.maxtext_layout import Leaf, apply, stored_dtype, transforms_of
 from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.options import DEFAULT_MAX_SHARD_SIZE
-from ckptbridge.progress import Progress
+from ckptbridge.progress import progress_over
 from ckptbridge.sources import (
     ASSETS_DIR,
     HFRows,
@@ -48,7 +48,7 @@ from ckptbridge.sources import (
     open_orbax_source,
 )
 from ckptbridge.specs.base import FamilySpec
-from ckptbridge.stream import CODEC_VERB_WORKERS, Job, Parallelism, Parts
+from ckptbridge.stream import Job, Parallelism, Parts
 
 ITEM = "items"  # MaxText's one CheckpointManager item
 NNX_ITEM = "model_params"  # MaxText's NNX SFT trainers' item
@@ -187,10 +187,8 @@ def _write_maxtext(rows: RowSource, entries: list[mapping.Entry], cfg: ModelConf
     spec = maxtext_spec(family, where)
     leaves = maxtext_layout.plan(entries, spec, scan_layers, cfg.flags, vocab=vocab_size)
     flat = {ROOT + leaf.path: _leaf_to_maxtext(rows, leaf, spec, chunk_bytes) for leaf in leaves}
-    total = sum(leaf.nbytes for leaf in flat.values())
-    bar = Progress(total, desc, enabled=progress)
-    for lazy in flat.values():
-        lazy.on_written = bar.update
+    bar = progress_over(flat.values(), desc, progress)
+    total = bar.total
     tree = {**orbax_io.nest(flat), "step": np.asarray(0, np.int64)}  # MaxText's TrainState step
     with atomic_directory(dst, overwrite) as tmp:
         orbax_io.save_manager_step(tmp, 0, tree, {SCAN_KEY: scan_layers, **metadata}, item=ITEM,
@@ -220,9 +218,7 @@ def convert_safetensors_to_maxtext(src: str, dst: str, *, scan_layers: bool = Fa
     the family's spec; otherwise the model's own)."""
     t0 = time.perf_counter()
     deps.require("orbax")
-    chunk_bytes = options.size("chunk_size", chunk_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                              default_cap=CODEC_VERB_WORKERS)
+    chunk_bytes, parallel = Parallelism.for_chunks(chunk_size, workers, memory_budget)
     src = hub.local(src, hub.MODEL, revision=revision)
     check_destination(dst, [src], overwrite)
     with open_hf_source(src, skip_multimodal=skip_multimodal) as source, parallel.engine("s2m") as engine:
@@ -266,9 +262,7 @@ def convert_orbax_to_maxtext(src: str, dst: str, *, scan_layers: bool = False, c
     through HF files: what :func:`convert_safetensors_to_maxtext` writes for the HF model the
     checkpoint holds (options as there; ``config`` and ``step`` as in orbax-to-safetensors)."""
     t0 = time.perf_counter()
-    chunk_bytes = options.size("chunk_size", chunk_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                              default_cap=CODEC_VERB_WORKERS)
+    chunk_bytes, parallel = Parallelism.for_chunks(chunk_size, workers, memory_budget)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_orbax_source(src, config=config, step=step) as source, parallel.engine("o2m") as engine:
         specs.note_mismatch(source.cfg)
@@ -619,10 +613,8 @@ def convert_maxtext_to_safetensors(src: str, dst: str, *, config: str | None = N
     layers of one stored chunk), row blocks of about ``chunk_size`` of larger ones, read and
     rearranged on ``workers`` threads within ``memory_budget``."""
     t0 = time.perf_counter()
-    chunk_bytes = options.size("chunk_size", chunk_size)
     shard_bytes = options.size("max_shard_size", max_shard_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                              default_cap=CODEC_VERB_WORKERS)
+    chunk_bytes, parallel = Parallelism.for_chunks(chunk_size, workers, memory_budget)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_maxtext_source(src, config=config, step=step) as source, parallel.engine("m2s") as engine:
         specs.note_mismatch(source.cfg)
@@ -709,9 +701,7 @@ def convert_maxtext_to_orbax(src: str, dst: str, *, config: str | None = None, s
     through HF files: what safetensors-to-orbax writes for the HF model maxtext-to-safetensors
     would write (``tunix_version``, ``compression`` and the streaming options as there)."""
     t0 = time.perf_counter()
-    chunk_bytes = options.size("chunk_size", chunk_size)
-    parallel = Parallelism.of(workers, memory_budget, least=chunk_bytes, least_what="chunk_size (--chunk-size)",
-                              default_cap=CODEC_VERB_WORKERS)
+    chunk_bytes, parallel = Parallelism.for_chunks(chunk_size, workers, memory_budget)
     target = target_tunix_version(tunix_version)
     check_destination(dst, [src] + ([config] if config else []), overwrite)
     with open_maxtext_source(src, config=config, step=step) as source, parallel.engine("m2o") as engine:
@@ -719,10 +709,8 @@ def convert_maxtext_to_orbax(src: str, dst: str, *, config: str | None = None, s
         rows = HFRowsOfMaxText(source)
         flat = {e.tunix_path: _tunix_leaf(rows, e, chunk_bytes)
                 for e in mapping.for_tunix_version(source.entries, target)}
-        total = sum(leaf.nbytes for leaf in flat.values())
-        bar = Progress(total, "maxtext -> orbax", enabled=progress)
-        for leaf in flat.values():
-            leaf.on_written = bar.update
+        bar = progress_over(flat.values(), "maxtext -> orbax", progress)
+        total = bar.total
         assets = _stored_assets(source.ckpt.path)
         with atomic_directory(dst, overwrite) as tmp:
             orbax_io.save_tree(tmp, orbax_io.nest(flat),

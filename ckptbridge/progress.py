@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 
 class Progress:
     """A byte-counting progress bar that is a no-op when disabled or not on a terminal."""
 
     def __init__(self, total: int, desc: str, enabled: bool | None = None):
+        self.total = total
         if enabled is None:
             enabled = sys.stderr.isatty()
         self._bar = None
@@ -26,3 +29,13 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def progress_over(leaves: Iterable[Any], desc: str, enabled: bool | None = None) -> Progress:
+    """A bar over the bytes of ``leaves`` (Orbax :class:`~ckptbridge.io.orbax.LazyArray` leaves),
+    each reporting its bytes as they are written."""
+    leaves = list(leaves)
+    bar = Progress(sum(leaf.nbytes for leaf in leaves), desc, enabled)
+    for leaf in leaves:
+        leaf.on_written = bar.update
+    return bar

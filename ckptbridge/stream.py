@@ -162,6 +162,16 @@ class Parallelism:
         malloc.reuse_freed_memory()
         return cls(default_workers(default_cap) if count is None else count, budget)
 
+    @classmethod
+    def for_chunks(cls, chunk_size: str | int, workers: int | None = None,
+                   memory_budget: str | int | None = None) -> tuple[int, Parallelism]:
+        """``chunk_size`` in bytes and the parallelism of a verb that moves Orbax pieces of at most
+        that size (:meth:`of`, its budget one piece at least, at most :data:`CODEC_VERB_WORKERS`
+        workers by default)."""
+        chunk_bytes = options.size("chunk_size", chunk_size)
+        return chunk_bytes, cls.of(workers, memory_budget, least=chunk_bytes,
+                                   least_what="chunk_size (--chunk-size)", default_cap=CODEC_VERB_WORKERS)
+
     def engine(self, name: str = "ckptbridge") -> Engine:
         return Engine(self.workers, self.memory_budget, name)
 

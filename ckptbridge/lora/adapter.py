@@ -15,7 +15,7 @@ from ckptbridge.io.files import close_on_error
 from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import tunix_to_peft
-from ckptbridge.lora.orbax import OrbaxLora, open_orbax_lora
+from ckptbridge.lora.orbax import OrbaxLora, orbax_lora_of
 from ckptbridge.lora.peft import ADAPTER_CONFIG, PeftLora, open_peft_lora
 from ckptbridge.stream import Engine
 
@@ -31,20 +31,25 @@ def open_checkpoint_lora(src: str, base: Base, *, step: int | None = None, alpha
     """A LoRA checkpoint of either JAX trainer: Tunix/qwix (``<step>/model_params``, the Tunix
     model's tree) or MaxText (``<step>/items`` or an NNX ``model_params``, MaxText's tree with
     ``kernel_lora_a`` / ``kernel_lora_b``), told apart by its tree."""
+    first: InputNotFoundError | None = None
     try:
         path = resolve_checkpoint(src, step)
-    except InputNotFoundError as first:
+    except InputNotFoundError as e:
+        first = e
         try:
             path = resolve_checkpoint(src, step, item=MAXTEXT_ITEM)
         except InputNotFoundError:
             raise first from None
     from ckptbridge.lora import maxtext as maxtext_lora  # it imports the MaxText layout (and convert: a cycle)
 
-    with close_on_error(OrbaxCheckpoint(path)) as ckpt:
-        if maxtext_lora.is_maxtext(ckpt):
-            return maxtext_lora.open_maxtext_lora(ckpt, base, alpha=alpha)
-    ckpt.close()
-    return open_orbax_lora(src, base, step=step, alpha=alpha, engine=engine)
+    ckpt = OrbaxCheckpoint(path)  # opened once, for whichever reader its tree is for
+    with close_on_error(ckpt):
+        is_maxtext = maxtext_lora.is_maxtext(ckpt)
+        if not is_maxtext and first is not None:  # only MaxText's item is named items
+            raise first
+    if is_maxtext:
+        return maxtext_lora.open_maxtext_lora(ckpt, base, alpha=alpha)
+    return orbax_lora_of(path, ckpt, base, alpha=alpha, engine=engine)
 
 
 def open_adapter(src: str, base: Base, *, step: int | None = None, alpha: float | None = None,

@@ -22,6 +22,7 @@ from ckptbridge import layout, maxtext, maxtext_layout
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
+from ckptbridge.io.files import close_on_error
 from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import LoraModule, Scaling, in_batches
 from ckptbridge.maxtext_layout import Leaf, Transform, transforms_of
@@ -197,9 +198,14 @@ def is_maxtext(ckpt: orbax_io.OrbaxCheckpoint) -> bool:
 
 
 def open_maxtext_lora(ckpt: orbax_io.OrbaxCheckpoint, base: Base, *, alpha: float | None = None) -> MaxTextLora:
-    """The LoRA factors of the MaxText checkpoint ``ckpt`` (opened; closed with the adapter),
-    checked against ``base``: every factor a LoRA of one of the base's modules in the form of the
-    tree (scanned or not), of one rank, with an alpha (recorded or ``alpha``)."""
+    """The LoRA factors of the MaxText checkpoint ``ckpt`` (opened; closed with the adapter, or on
+    an error), checked against ``base``: every factor a LoRA of one of the base's modules in the
+    form of the tree (scanned or not), of one rank, with an alpha (recorded or ``alpha``)."""
+    with close_on_error(ckpt):
+        return _validate(ckpt, base, alpha)
+
+
+def _validate(ckpt: orbax_io.OrbaxCheckpoint, base: Base, alpha: float | None) -> MaxTextLora:
     path = ckpt.path
     tree = maxtext.read_tree(ckpt)
     lora = tree.lora

@@ -126,7 +126,14 @@ def open_orbax_lora(src: str, base: Base, *, step: int | None = None, alpha: flo
     """A Tunix/qwix LoRA checkpoint validated against ``base``; its factors are read ahead on
     ``engine`` (one of its own, closed with the adapter, when None)."""
     path = resolve_checkpoint(src, step)
-    with close_on_error(OrbaxCheckpoint(path)) as ckpt:
+    return orbax_lora_of(path, OrbaxCheckpoint(path), base, alpha=alpha, engine=engine)
+
+
+def orbax_lora_of(path: str, ckpt: OrbaxCheckpoint, base: Base, *, alpha: float | None = None,
+                  engine: Engine | None = None) -> OrbaxLora:
+    """The Tunix/qwix LoRA checkpoint ``ckpt`` opened at ``path`` (closed with the adapter, or on
+    an error) validated against ``base``."""
+    with close_on_error(ckpt):
         ad = _validate_orbax_lora(path, ckpt, base, alpha)
     ad.engine = engine
     return ad
