@@ -8,13 +8,20 @@
 #                                 comparisons with ggml's converters
 #   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, which
 #                                 scripts/setup.sh --newest builds anew)
-#   ./test.sh --lint              ruff (ckptbridge/, configured in pyproject.toml) and mypy (ckptbridge/)
+#   ./test.sh --lint              ruff (ckptbridge/, configured in pyproject.toml), mypy (ckptbridge/) and the
+#                                 documentation site (mkdocs build --strict: a broken link or a page
+#                                 missing from mkdocs.yml's nav fails)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 if [ "${1:-}" = "--lint" ]; then
   scripts/setup.sh
   .venv/bin/ruff check ckptbridge
-  exec .venv/bin/mypy
+  .venv/bin/mypy
+  site="$(mktemp -d)"
+  status=0
+  .venv-docs/bin/mkdocs build --strict -d "$site" || status=$?
+  rm -rf "$site"
+  exit "$status"
 fi
 venv=.venv
 select=()

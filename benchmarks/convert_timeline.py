@@ -29,7 +29,7 @@ import time
 os.environ["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS") or "cpu"  # as the CLI: no accelerator runtime
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ckptbridge import stream  # noqa: E402
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax  # noqa: E402
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax  # noqa: E402
 
 
 class Timeline:

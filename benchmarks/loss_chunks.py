@@ -27,7 +27,7 @@ import numpy as np, jax, jax.numpy as jnp
 from flax import nnx
 from ckptbridge.specs import get_family
 from ckptbridge.tunix_model import apply_lora_rules, keep_hidden_states, load_tunix_model
-from training.trainer import lm_loss
+from training.loss import lm_loss
 base, seq, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model, _ = load_tunix_model(base, param_dtype=np.float32)
 targets = get_family("gemma4").lora_targets

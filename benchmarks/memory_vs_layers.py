@@ -29,8 +29,8 @@ import time
 
 DRIVER = r"""
 import json, sys, time
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
-from ckptbridge.merge import merge_lora
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge import merge_lora
 import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
 what, src, dst = sys.argv[1:4]
 kw = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # the verb's keyword arguments

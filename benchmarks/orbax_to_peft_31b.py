@@ -66,7 +66,8 @@ elif what == "imports":  # what the naive way imports before it reads a byte
     import orbax.checkpoint, jax  # noqa
 elif what == "imports-ours":  # what ours imports before it reads a byte
     import tensorstore  # noqa
-    from ckptbridge import adapters, cli, lora  # noqa
+    from ckptbridge import cli, conversion  # noqa
+    from ckptbridge.formats import peft, tunix_lora  # noqa
 # peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork)
 with open("/proc/self/status") as f:
     hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -100,7 +101,7 @@ def main() -> None:
     from ckptbridge.io import orbax as orbax_io
     from ckptbridge.io.safetensors import DTYPES
     from ckptbridge.metadata import KEY, LoraRules, Metadata
-    from ckptbridge.lora import open_base
+    from ckptbridge.lora.base import open_base
     from ckptbridge.specs.gemma4 import text_config_kwargs
 
     tmp = args.keep or tempfile.mkdtemp(prefix="o2p-31b-")

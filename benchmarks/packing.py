@@ -70,7 +70,7 @@ def main() -> None:
 
     from ckptbridge.testing import lora_targets, build_checkpoint
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
-    from training.trainer import lm_loss
+    from training.loss import lm_loss
 
     with tempfile.TemporaryDirectory() as tmp:
         base = build_checkpoint(os.path.join(tmp, "base"), tokenizer=False)

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ckptbridge import mapping  # noqa: E402
 from ckptbridge.options import parse_size  # noqa: E402
-from ckptbridge.sources import open_hf_source  # noqa: E402
+from ckptbridge.formats.hf import open_hf_source  # noqa: E402
 
 
 def _cpu() -> tuple[float, float]:

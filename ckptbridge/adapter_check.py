@@ -27,10 +27,12 @@ import tempfile
 
 import numpy as np
 
-from ckptbridge import deps, lora, options, vllm_lora
+from ckptbridge import deps, options
 from ckptbridge.errors import CkptBridgeError, ConfigError, CorruptFileError, MismatchError, UnsupportedError
+from ckptbridge.formats import peft
+from ckptbridge.formats.tunix_lora import open_orbax_lora
 from ckptbridge.io.files import read_json_object
-from ckptbridge.lora import Base, open_base
+from ckptbridge.lora.base import Base, open_base
 from ckptbridge.options import EXACT_TOLERANCE, LIVE_TOLERANCE, TARGETS
 from ckptbridge.report import Report
 from ckptbridge.verify import adapter_kind, as_peft, prompt_ids
@@ -72,7 +74,7 @@ class Lint:
 
     @property
     def max_lora_rank(self) -> int:
-        return vllm_lora.next_rank(self.max_rank)
+        return peft.next_rank(self.max_rank)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "target": self.target, "modules": self.modules, "max_rank": self.max_rank,
@@ -166,12 +168,12 @@ def _reexport(adapter: str, base: str, source: str | None) -> str:
 def _vllm_rank(lint: Lint, where: str, merge_hint: str) -> None:
     if lint.target != "vllm" or not lint.max_rank:
         return
-    if lint.max_rank > vllm_lora.LORA_RANKS[-1]:
+    if lint.max_rank > peft.LORA_RANKS[-1]:
         lint.add("error", "rank", f"{where}: rank {lint.max_rank} exceeds vLLM's largest --max-lora-rank "
-                                  f"{vllm_lora.LORA_RANKS[-1]}; {merge_hint}")
-    elif lint.max_rank > vllm_lora.DEFAULT_MAX_LORA_RANK:
+                                  f"{peft.LORA_RANKS[-1]}; {merge_hint}")
+    elif lint.max_rank > peft.DEFAULT_MAX_LORA_RANK:
         lint.add("warning", "rank", f"{where}: rank {lint.max_rank} exceeds vLLM's default --max-lora-rank "
-                                    f"{vllm_lora.DEFAULT_MAX_LORA_RANK}: start vLLM with --max-lora-rank "
+                                    f"{peft.DEFAULT_MAX_LORA_RANK}: start vLLM with --max-lora-rank "
                                     f"{lint.max_lora_rank} (`python -m serving serve` does)")
 
 
@@ -200,7 +202,7 @@ def _lint_orbax(lint: Lint, b: Base, step: int | None, alpha: float | None) -> N
     src = lint.adapter
     deps.require("orbax")  # an unusable Orbax is the environment's fault, not the adapter's
     try:
-        ad = lora.open_orbax_lora(src, b, step=step, alpha=alpha)
+        ad = open_orbax_lora(src, b, step=step, alpha=alpha)
     except (MismatchError, UnsupportedError) as e:
         lint.loadable = False
         lint.add("error", "targets", str(e))
@@ -213,7 +215,7 @@ def _lint_orbax(lint: Lint, b: Base, step: int | None, alpha: float | None) -> N
         lint.modules = sum(len(m.hf_modules) for m in ad.scaling)
         lint.max_rank = max(sc.rank for sc in ad.scaling.values())
         _check_recorded_base(lint, b, ad.metadata.base, ad.path)
-        _values_check(lint, (("/".join(m.path), *ad.factors(m)) for m in ad.scaling), ad.path)
+        _values_check(lint, (("/".join(m.path), *f) for m, f in ad.module_factors()), ad.path)
         if lint.target == "vllm":
             aliased = [m for m in ad.scaling if m.vllm_aliases]
             how = f"`ckptbridge convert orbax-to-peft {src} NEW_DIR --base {b.path} --target vllm`"
@@ -240,20 +242,20 @@ def _lint_peft(lint: Lint, b: Base) -> None:
     from ckptbridge.io.safetensors import SafetensorsFile
 
     src, target = lint.adapter, lint.target
-    cfg = lora.AdapterConfig.read(src)
-    where = os.path.join(src, lora.ADAPTER_CONFIG)
+    cfg = peft.AdapterConfig.read(src)
+    where = os.path.join(src, peft.ADAPTER_CONFIG)
     if cfg.peft_type != "LORA":
         lint.add("error", "format", f"{where}: peft_type {cfg.peft_type!r}; only LoRA adapters can be checked")
         return
     _lint_features(lint, cfg, where, b)
-    weights = os.path.join(src, lora.ADAPTER_WEIGHTS)
+    weights = os.path.join(src, peft.ADAPTER_WEIGHTS)
     if not os.path.isfile(weights):
         from ckptbridge.errors import InputNotFoundError
 
         if os.path.isfile(os.path.join(src, "adapter_model.bin")):
             raise UnsupportedError(f"{os.path.join(src, 'adapter_model.bin')}: pickle adapters are never loaded; "
                                    "re-save with save_pretrained(..., safe_serialization=True)")
-        raise InputNotFoundError(f"{src}: no {lora.ADAPTER_WEIGHTS}")
+        raise InputNotFoundError(f"{src}: no {peft.ADAPTER_WEIGHTS}")
     with SafetensorsFile(check_inside(src, weights)) as f:
         meta = (f.metadata or {}).get("ckptbridge")
         try:
@@ -263,7 +265,7 @@ def _lint_peft(lint: Lint, b: Base) -> None:
         modules: dict[str, list] = {}
         others = []
         for key in f.keys():
-            parsed = lora.parse_factor_key(key)
+            parsed = peft.parse_factor_key(key)
             if parsed is None:
                 others.append(key)
                 continue
@@ -279,7 +281,7 @@ def _lint_peft(lint: Lint, b: Base) -> None:
         _lint_peft_modules(lint, b, cfg, f, modules, source)
 
 
-def _lint_features(lint: Lint, cfg: lora.AdapterConfig, where: str, b: Base) -> None:
+def _lint_features(lint: Lint, cfg: peft.AdapterConfig, where: str, b: Base) -> None:
     vllm = lint.target == "vllm"
     merge = ("merge it with PEFT (`merge_and_unload`) and serve the merged model" if vllm else
              "transformers+PEFT apply it, but it cannot go to Tunix (no exact check)")
@@ -309,9 +311,9 @@ def _lint_features(lint: Lint, cfg: lora.AdapterConfig, where: str, b: Base) -> 
     _check_recorded_base(lint, b, cfg.base_model_name_or_path, where)
 
 
-def _lint_peft_modules(lint: Lint, b: Base, cfg: lora.AdapterConfig, f, modules: dict, source: str | None) -> None:
+def _lint_peft_modules(lint: Lint, b: Base, cfg: peft.AdapterConfig, f, modules: dict, source: str | None) -> None:
     src, weights = lint.adapter, f.path
-    where = os.path.join(src, lora.ADAPTER_CONFIG)
+    where = os.path.join(src, peft.ADAPTER_CONFIG)
     known = b.by_hf_module()
     alias_of = b.vllm_aliases()
     rename = b.module_names()  # adapter module name -> BASE module name
@@ -377,7 +379,7 @@ def _lint_peft_modules(lint: Lint, b: Base, cfg: lora.AdapterConfig, f, modules:
                                     "the adapter was made for another base")
     if bad_rank:
         lint.add("error", "rank", f"{weights}: {len(bad_rank)} module(s) disagree with r/rank_pattern of "
-                                  f"{lora.ADAPTER_CONFIG} ({bad_rank[0]}); PEFT cannot load it: fix the config")
+                                  f"{peft.ADAPTER_CONFIG} ({bad_rank[0]}); PEFT cannot load it: fix the config")
     good = {n: p for n, p in own.items() if None not in p and n not in misfit}
     lint.modules = len(good)
     _values_check(lint, ((n, f.array(ka), f.array(kb)) for n, (ka, kb) in good.items()), weights)
@@ -530,7 +532,7 @@ def _exact(lint: Lint, adapter: str, peft_dir: str, base: str, tokens, peft_logi
     via = "orbax-to-peft"
     orbax_src = adapter
     if lint.kind == "peft":
-        from ckptbridge.adapters import convert_peft_to_orbax
+        from ckptbridge import convert_peft_to_orbax
 
         via, orbax_src, step, alpha = "peft-to-orbax", os.path.join(tmp, "orbax"), None, None
         try:

@@ -65,3 +65,7 @@ EXIT_CODES = {
         ConfigError,
     )
 }
+
+# what every verb's --help says of them
+EXIT_CODES_HELP = ("Exit codes: 0 ok, 2 usage, 3 input not found, 4 corrupt file, 5 unsupported, 6 mismatch, 7 output, "
+                   "8 config, 1 internal.")

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from ckptbridge.errors import InputNotFoundError
-from ckptbridge.qwix_lora import is_lora_a, is_lora_leaf
+from ckptbridge.formats.hf import is_hf_directory
+from ckptbridge.formats.qwix import is_lora_a, is_lora_leaf
 from ckptbridge.report import Report
-from ckptbridge.sources import is_hf_directory
 from ckptbridge.specs import get_family, parse_config
 
 SUMMARY_ORDER = ("architecture", "name", "gguf_version", "adapter_type", "block_count", "context_length",
@@ -84,7 +84,7 @@ class OrbaxInfo(Info):
     layer_kinds: dict[str, int] | None = None
     tunix_mismatch: list[str] | None = None
     lora_ranks: dict[str, int] | None = None
-    maxtext: dict | None = None  # a MaxText checkpoint's tree, scan_layers and LoRA (ckptbridge.maxtext.describe)
+    maxtext: dict | None = None  # a MaxText checkpoint's tree, scan_layers and LoRA (formats.maxtext.model.describe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +167,8 @@ def _count(shape) -> int:
 
 
 def _inspect_hf(path: str) -> HFModelInfo:
+    from ckptbridge.formats.hf import open_hf_source
     from ckptbridge.io.hf import HFModelDir
-    from ckptbridge.sources import open_hf_source
 
     with HFModelDir(path) as model:
         cfg = parse_config(model.config, os.path.join(path, "config.json"))
@@ -190,7 +190,7 @@ def _inspect_hf(path: str) -> HFModelInfo:
 
 
 def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:
-    from ckptbridge import maxtext
+    from ckptbridge.formats.maxtext import model as maxtext
     from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
 
     try:
@@ -218,8 +218,8 @@ def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:
 
 
 def _inspect_peft(path: str) -> PeftInfo:
+    from ckptbridge.formats.peft import ADAPTER_WEIGHTS, AdapterConfig
     from ckptbridge.io.safetensors import SafetensorsFile
-    from ckptbridge.lora.peft import ADAPTER_WEIGHTS, AdapterConfig
 
     cfg = AdapterConfig.read(path)
     weights: dict[str, Any] = {}

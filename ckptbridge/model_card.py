@@ -139,7 +139,7 @@ def _model_meta(base_id: str | None, relation: str, tags: list[str]) -> dict:
 def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id: str | None, step: int | None,
                 family: str, merged_tensors: int, quantized: str | None = None) -> str:
     """README.md of a model merged from a base and a LoRA adapter (``quantized``: how its weights were
-    quantized in the same pass, from :meth:`ckptbridge.quantize.Plan.describe`)."""
+    quantized in the same pass, from :meth:`ckptbridge.formats.compressed_tensors.Plan.describe`)."""
     base = base_id or os.path.abspath(base_path)
     meta = _model_meta(base_id, "merge", ["ckptbridge", "lora", "merge"])
     what = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else \

@@ -7,6 +7,13 @@ import dataclasses
 from typing import Any, ClassVar
 
 
+def emit(report: Report, as_json: bool = False) -> None:
+    """Print a verb's report: as JSON (``--json``), else its summary."""
+    import json
+
+    print(json.dumps(report.to_json(), indent=2, default=str) if as_json else report.summary())
+
+
 def human_bytes(n: float) -> str:
     """1536 -> "1.5 KiB"."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -204,7 +204,7 @@ def build_tunix_lora(base_dir: str, rules: list[dict] | None = None, *, seed: in
     import numpy as np
     from flax import nnx
 
-    from ckptbridge.lora import open_base
+    from ckptbridge.lora.base import open_base
     from ckptbridge.tunix_model import apply_lora_rules, load_tunix_model
 
     rules = rules or [{"module_path": lora_targets(open_base(base_dir).spec.name), "rank": 4, "alpha": 12.0}]
@@ -240,7 +240,7 @@ def build_peft_adapter(base_dir: str, out_dir: str, *, r: int = 4, lora_alpha: f
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from ckptbridge.lora import open_base
+    from ckptbridge.lora.base import open_base
     from ckptbridge.verify import hf_model_class
 
     b = open_base(base_dir)
@@ -266,9 +266,9 @@ def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha:
     without torch (for benchmarks at real width)."""
     import numpy as np
 
-    from ckptbridge import lora
+    from ckptbridge.formats import peft
     from ckptbridge.io.safetensors import DTYPES, PlannedTensor, write_file
-    from ckptbridge.lora import open_base
+    from ckptbridge.lora.base import open_base
 
     base = open_base(base_dir)
     np_dtype = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"]}[dtype]
@@ -281,10 +281,10 @@ def write_random_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha:
                 def produce(shape=shape, s=seed * 1_000_003 + i * 17 + j * 2 + (ab == "B")):
                     return (np.random.default_rng(s).standard_normal(shape, dtype=np.float32) * 0.01).astype(np_dtype)
 
-                tensors.append(PlannedTensor(f"{lora.PEFT_PREFIX}{name}.lora_{ab}.weight", np_dtype, shape, produce))
+                tensors.append(PlannedTensor(f"{peft.PEFT_PREFIX}{name}.lora_{ab}.weight", np_dtype, shape, produce))
     os.makedirs(out_dir, exist_ok=True)
-    write_file(os.path.join(out_dir, lora.ADAPTER_WEIGHTS), tensors)
-    lora.export_config(base, names, r, lora_alpha, {}, {}).write(out_dir)
+    write_file(os.path.join(out_dir, peft.ADAPTER_WEIGHTS), tensors)
+    peft.export_config(base, names, r, lora_alpha, {}, {}).write(out_dir)
     return out_dir
 
 

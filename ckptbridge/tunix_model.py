@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge import layout, mapping, qwix_lora
+from ckptbridge import layout, mapping
 from ckptbridge.config import ModelConfig
 from ckptbridge.errors import UnsupportedError
+from ckptbridge.formats import qwix as qwix_lora
 from ckptbridge.specs import FAMILIES, FamilySpec, get_family
 from ckptbridge.specs.base import TunixModel
 
@@ -375,9 +376,11 @@ def open_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
     checkpoint is opened and validated, nothing is read yet. ``lora_rules``
     ([{module_path, rank, alpha[, dropout]}, ...]) add qwix LoRA (initialised from ``seed``, as
     :func:`apply_lora_rules` does). See :func:`load_tunix_model` for the other parameters."""
-    from ckptbridge.sources import open_model_source
+    from ckptbridge.formats.hf import is_hf_directory, open_hf_source
+    from ckptbridge.formats.tunix import open_orbax_source
 
-    source = open_model_source(src, step=step, skip_multimodal=skip_multimodal)
+    source = open_hf_source(src, skip_multimodal=skip_multimodal) if is_hf_directory(src) \
+        else open_orbax_source(src, step=step)
     try:
         pdtype = np.dtype(param_dtype) if param_dtype is not None else source.dtype(source.entries[0])
         tcfg = tunix_model_config(source.cfg, dtype=dtype, param_dtype=pdtype, remat=remat,
@@ -406,7 +409,7 @@ def load_tunix_model(src: str, *, mesh=None, dtype: Any = None, param_dtype: Any
 def apply_lora_rules(model, rules: list[dict], *, seed: int = 0):
     """Wrap a Tunix model with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]).
     A rule with dropout > 0 drops LoRA inputs on every call (training only); its random stream is
-    the model's ``qwix_rngs`` attribute (see :func:`ckptbridge.qwix_lora.dropout_stream`). qwix
+    the model's ``qwix_rngs`` attribute (see :func:`ckptbridge.formats.qwix.dropout_stream`). qwix
     traces one forward of a few tokens to find the modules: to build a model with LoRA without
     running it op by op, give the rules to :func:`open_tunix_model` instead."""
     import jax.numpy as jnp
@@ -455,20 +458,21 @@ def load_tunix_adapter(base: str, src: str, *, step: int | None = None, alpha: f
     import jax.numpy as jnp
     from flax import nnx
 
-    from ckptbridge import lora
-    from ckptbridge.lora import open_base
+    from ckptbridge.formats.tunix_lora import open_orbax_lora
+    from ckptbridge.lora.base import open_base
+    from ckptbridge.lora.rules import rules_for
 
     b = open_base(base)
-    with lora.open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
-        rules = lora.rules_for(ad.scaling, b.modules)
+    with open_orbax_lora(src, b, step=step, alpha=alpha) as ad:
+        rules = rules_for(ad.scaling, b.modules)
         model, _ = load_tunix_model(base, param_dtype=dtype, dtype=dtype, skip_multimodal=True,
                                     allow_config_mismatch=allow_config_mismatch)
         model = apply_lora_rules(model, rules)
         state = nnx.state(model, nnx.LoRAParam)
         pure = state.to_pure_dict()
         filled = 0
-        for mod in ad.scaling:
-            for leaf, value in zip(mod.leaves, ad.factors(mod)):
+        for mod, factors in ad.module_factors():
+            for leaf, value in zip(mod.leaves, factors):
                 target = _lookup(pure, leaf)
                 if tuple(target.shape) != tuple(value.shape):
                     raise UnsupportedError(f"{'/'.join(leaf)}: qwix made {tuple(target.shape)}, the checkpoint has "

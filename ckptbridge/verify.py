@@ -14,8 +14,9 @@ import numpy as np
 
 from ckptbridge.config import read_config_file
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
+from ckptbridge.formats.peft import ADAPTER_CONFIG
 from ckptbridge.io.hf import HFModelDir
-from ckptbridge.lora import ADAPTER_CONFIG, open_base
+from ckptbridge.lora.base import open_base
 from ckptbridge.options import LOGITS_TOLERANCE, SERVED_TOKENS
 from ckptbridge.report import Report, internal
 from ckptbridge.specs import family_for, get_family, parse_config
@@ -274,7 +275,7 @@ def quantized_cost(quantized: str, source: str, *, seq_len: int | None = None, b
     import torch
     from transformers.utils import logging as hf_logging
 
-    from ckptbridge.quantize import SCALE_SUFFIX, scheme_of
+    from ckptbridge.formats.compressed_tensors import SCALE_SUFFIX, scheme_of
 
     hf_logging.disable_progress_bar()
     config_path = os.path.join(source, "config.json")
@@ -367,7 +368,7 @@ def as_peft(adapter: str, base: str, tmp: str, *, step: int | None = None, alpha
     (``orbax-to-peft``, target hf) into ``tmp``."""
     if adapter_kind(adapter) == "peft":
         return adapter
-    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge import convert_orbax_to_peft
 
     out = os.path.join(tmp, "peft")
     convert_orbax_to_peft(adapter, out, base=base, step=step, alpha=alpha, progress=False)
@@ -417,3 +418,113 @@ def served_parity(url: str, model: str, base: str, *, adapter: str | None = None
         first = min(len(got), len(want))
     return ServedReport(url=url, model=model, base=base, adapter=adapter, prompt_ids=ids, tokens=tokens, server=got,
                         reference=want, equal=first is None, first_divergence=first)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVerifyReport(Report):
+    """A GGUF file against the model it was made from, tensor by tensor."""
+
+    gguf: str
+    source: str
+    adapter: str | None
+    architecture: str
+    tensors: int
+    identical: bool
+    differing: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        head = f"verify gguf: {self.gguf} against {self.source}" + (f" + {self.adapter}" if self.adapter else "")
+        if self.identical:
+            return (f"{head}\n  identical: {self.tensors} tensors ({self.architecture}), each the source's values as "
+                    "stored (float types bit for bit, Q8_0 as quantized again)")
+        lines = [f"{head}\n  DIFFERENT ({self.tensors} tensors compared)"]
+        for what, names in (("differ", self.differing), ("missing from the file", self.missing),
+                            ("not made from the source", self.unexpected)):
+            if names:
+                lines.append(f"  {len(names)} {what}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+        return "\n".join(lines)
+
+
+def verify_gguf(path: str, src: str, *, adapter: str | None = None, step: int | None = None,
+                alpha: float | None = None, workers: int | None = None, memory_budget: str | int | None = None,
+                revision: str | None = None) -> GGUFVerifyReport:
+    """Compare the GGUF file ``path`` (written by ckptbridge or by ggml's converter) with the model
+    ``src`` it was made from (any model format; an adapter merged as ``convert`` would), tensor by
+    tensor: each tensor must hold the source's values in its stored type (F32, F16, BF16 bit for
+    bit; Q8_0 equal to quantizing them again), with ggml's value changes (norms + 1, reordered q/k
+    rows, stacked experts). Streaming, as the export."""
+    import time
+
+    from ckptbridge import formats, hub
+    from ckptbridge.conversion import merged, open_model, parallelism
+    from ckptbridge.formats.gguf import model as gguf_model
+    from ckptbridge.io import gguf
+
+    t0 = time.perf_counter()
+    file = gguf.read_gguf(path)
+    src = hub.local(src, hub.MODEL, revision=revision)
+    adapters = [hub.local(adapter, hub.ADAPTER, what="adapter")] if adapter is not None else []
+    fmt = formats.detect(src, step)
+    if fmt.kind != formats.MODEL:
+        raise ConfigError(f"{src}: a {fmt.name} adapter; give the model the GGUF file was made from (and the "
+                          "adapter with --adapter)")
+    if not adapters and (alpha is not None or (step is not None and "step" not in fmt.read_options)):
+        raise ConfigError("step/alpha (--step, --alpha) apply with --adapter (--step also to an Orbax source)")
+    chunk_bytes, _, parallel = parallelism({"workers": workers, "memory_budget": memory_budget}, False)
+
+    def type_of(name: str, shape: tuple[int, ...]) -> gguf.TensorType:
+        info = file.tensors.get(name)
+        if info is not None and isinstance(info.type, gguf.TensorType):
+            return info.type
+        return gguf_model.stored_type(name, shape, gguf.TensorType.F32)
+
+    differing: list[str] = []
+    own_step = step if "step" in fmt.read_options else None
+    with parallel.engine("verify-gguf") as engine, \
+            open_model(src, fmt, {"step": own_step} if own_step is not None else {}, towers="drop") as rows:
+        if adapters:
+            rows = merged(rows, adapters, step=None if own_step is not None else step, alpha=alpha)
+        o = gguf_model.plan(rows, type_of, engine, min(gguf_model.BLOCK_BYTES, chunk_bytes, engine.budget.limit // 2))
+        arch = file.metadata.get("general.architecture")
+        if arch != o.spec_gguf.arch:
+            raise MismatchError(f"{path}: general.architecture is {arch!r}; {src} is GGUF {o.spec_gguf.arch!r}")
+        made = {t.name: t for t in o.tensors}
+        extra = dict(o.extra())
+        missing = [n for n in list(extra) + list(made) if n not in file.tensors]
+        unexpected = [n for n in file.tensors if n not in made and n not in extra]
+        for n, v in extra.items():
+            if n in file.tensors and not _same(file, n, [v], v.shape):
+                differing.append(n)
+        for t in o.tensors:
+            pieces = o.parts.take_many(t.name, o.counts[t.name])
+            if t.name not in file.tensors:
+                for _ in pieces:
+                    pass
+                continue
+            if not _same(file, t.name, pieces, t.shape):
+                differing.append(t.name)
+    return GGUFVerifyReport(gguf=path, source=src, adapter=adapter, architecture=o.spec_gguf.arch,
+                            tensors=len(made) + len(extra), identical=not (differing or missing or unexpected),
+                            differing=differing, missing=missing, unexpected=unexpected,
+                            seconds=round(time.perf_counter() - t0, 3))
+
+
+def _same(file, name: str, pieces, shape: tuple[int, ...]) -> bool:
+    """Whether tensor ``name`` of ``file`` has ``shape`` and the bytes of ``pieces`` (consumed)."""
+    from ckptbridge.io import gguf
+
+    info = file.tensors[name]
+    ok = tuple(info.shape) == tuple(shape) and isinstance(info.type, gguf.TensorType)
+    stored = file.array(name).reshape(-1).view(np.uint8) if ok else None
+    at = 0
+    for piece in pieces:
+        if not ok or stored is None:
+            ok = False
+            continue
+        b = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+        ok = at + b.size <= stored.size and np.array_equal(stored[at:at + b.size], b)
+        at += b.size
+    return ok and stored is not None and at == stored.size

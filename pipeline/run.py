@@ -131,9 +131,9 @@ def _watched(w, out: str, steps: int, every: int) -> dict:
 def run(args) -> dict:
     import jax
 
-    from ckptbridge.adapters import convert_orbax_to_peft
-    from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
-    from ckptbridge.merge import merge_lora
+    from ckptbridge import convert_orbax_to_peft
+    from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+    from ckptbridge import merge_lora
     from ckptbridge.testing import build_checkpoint
     from ckptbridge.tunix_model import load_tunix_lora_model
     from ckptbridge.verify import (
@@ -168,7 +168,7 @@ def run(args) -> dict:
     report: dict = {"settings": "smallest" if args.smallest else "default", "data": data, "problems": problems}
 
     # 1. base
-    from ckptbridge.lora import open_base
+    from ckptbridge.lora.base import open_base
 
     if args.base:
         steps("base", f"base model: {args.base}")

@@ -6,6 +6,7 @@
 #   .venv-floor  every dependency at the floor pyproject.toml declares (requirements/floor.txt)
 #   .venv-serve-floor  vLLM's side of the serve extra at its floors (requirements/floor-serve.txt)
 #   .venv-quant  llm-compressor, the reference quantized outputs are compared with (requirements/quant.txt)
+#   .venv-docs   mkdocs, which builds the documentation site (docs/, mkdocs.yml) in test.sh --lint
 #   build/ggml   ggml's converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/, gguf-py) from the llama-cpp-python
 #                sdist: the reference tests/test_gguf_export.py compares GGUF exports with (run, not installed)
 # Usage: scripts/setup.sh [--newest] [--ggml]
@@ -78,6 +79,7 @@ floor_steps() { project_env floor "$@"; }
 serve_steps() { tool_env serve "$@"; }
 serve_floor_steps() { tool_env floor-serve "$@"; }
 quant_steps() { tool_env quant "$@"; }
+docs_steps() { "$@" install -r requirements/docs.txt -c requirements/docs.lock; }
 
 newest_steps() {
   "$@" install "torch==2.13.0"  # the only CPU build here; any other release is a CUDA build of several GB
@@ -90,6 +92,7 @@ ensure_env .venv-serve serve_steps requirements/serve.txt requirements/serve.loc
 ensure_env .venv-floor floor_steps requirements/floor.txt requirements/floor.lock pyproject.toml
 ensure_env .venv-serve-floor serve_floor_steps requirements/floor-serve.txt requirements/floor-serve.lock
 ensure_env .venv-quant quant_steps requirements/quant.txt requirements/quant.lock
+ensure_env .venv-docs docs_steps requirements/docs.txt requirements/docs.lock
 
 # ggml's converter, from the sdist of the llama-cpp-python release requirements/ggml.txt pins
 ggml_sdist="$(grep -o '^llama-cpp-python==[0-9.]*' requirements/ggml.txt)"

@@ -102,7 +102,7 @@ def _check_quantized(args, profile) -> None:
     """A quantized model: one line on how vLLM takes it, or a ConfigError when the profile's
     hardware cannot run its scheme."""
     from ckptbridge.io.files import read_json_object
-    from ckptbridge.quantize import describe, scheme_of
+    from ckptbridge.formats.compressed_tensors import describe, scheme_of
 
     config = read_json_object(os.path.join(args.model, "config.json"), "")
     what = describe(config)

@@ -87,7 +87,7 @@ def weights_memory(model_dir: str) -> dict:
     """What the weights of ``model_dir`` take (the memory vLLM loads them into: bytes as stored, by
     dtype) and how they are quantized: ``{"bytes", "dtypes", "quantization"}``."""
     from ckptbridge.io.hf import HFModelDir
-    from ckptbridge.quantize import describe, scheme_of
+    from ckptbridge.formats.compressed_tensors import describe, scheme_of
 
     with HFModelDir(model_dir) as model:
         dtypes: dict[str, int] = {}

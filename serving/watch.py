@@ -289,7 +289,7 @@ class Watch:
     def export(self, ckpt: Checkpoint) -> str | None:
         """The checkpoint as a ``--target vllm`` adapter (None, with one line, when the run's retention
         removed it first)."""
-        from ckptbridge.adapters import convert_orbax_to_peft
+        from ckptbridge import convert_orbax_to_peft
         from ckptbridge.errors import CkptBridgeError
 
         dst = self.adapter_dir(ckpt.step)

@@ -41,11 +41,11 @@ MAXTEXT_ROWS = [f"{family}/{scan}" for family in MAXTEXT_FAMILIES for scan in ("
 
 
 def maxtext_plan(row: dict) -> list:
-    """Our MaxText leaves (ckptbridge.maxtext_layout.plan) for a row of expected.json, with the HF
+    """Our MaxText leaves (ckptbridge.formats.maxtext.layout.plan) for a row of expected.json, with the HF
     key prefix its keys use."""
     from ckptbridge import mapping, specs
-    from ckptbridge.maxtext_layout import plan
-    from ckptbridge.sources import find_prefix
+    from ckptbridge.formats.maxtext.layout import plan
+    from ckptbridge.formats.hf import find_prefix
 
     def flat(value):
         return [value] if isinstance(value, str) else [k for v in value for k in flat(v)]
@@ -101,7 +101,7 @@ def wide(tmp_path_factory):
 def converted(checkpoints, tmp_path_factory):
     """row name -> (Orbax checkpoint, report) of its safetensors-to-orbax conversion (towers
     skipped), made once per session. Read only."""
-    from ckptbridge.convert import convert_safetensors_to_orbax
+    from ckptbridge import convert_safetensors_to_orbax
 
     root = tmp_path_factory.mktemp("orbax")
 
@@ -183,7 +183,7 @@ class RowLora:
     @functools.cached_property
     def peft_as_orbax(self):
         """``peft`` converted by peft-to-orbax with its defaults (kv exact, step 0): (root, report)."""
-        from ckptbridge.adapters import convert_peft_to_orbax
+        from ckptbridge import convert_peft_to_orbax
 
         dst = str(self._root / "peft-as-orbax")
         return dst, convert_peft_to_orbax(self.peft, dst, base=self.base, progress=False)
@@ -191,7 +191,7 @@ class RowLora:
     @functools.cached_property
     def tunix_as_peft(self):
         """``tunix`` converted by orbax-to-peft with its defaults (target hf): (directory, report)."""
-        from ckptbridge.adapters import convert_orbax_to_peft
+        from ckptbridge import convert_orbax_to_peft
 
         dst = str(self._root / "tunix-as-peft")
         return dst, convert_orbax_to_peft(self.tunix, dst, base=self.base, progress=False)
@@ -207,6 +207,29 @@ def adapters(checkpoints, base_logits, tmp_path_factory, precise):
         return RowLora(name, checkpoints[name], root / name, base_logits)
 
     return _Lazy(make)
+
+
+def assert_same_model(orig: str, back: str, allowed: set[str], values: bool = True) -> None:
+    """Every tensor of ``back`` equals ``orig``'s bit for bit, but those of ``allowed`` keys, which
+    may differ by two roundings of their dtype (by any amount without ``values``: a quantized
+    weight of rounded inputs)."""
+    import numpy as np
+
+    from ckptbridge.io.hf import HFModelDir
+
+    with HFModelDir(orig) as a, HFModelDir(back) as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            x, y = a.array(key), b.array(key)
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), key
+            if x.tobytes() == y.tobytes():
+                continue
+            assert key in allowed, f"{key} differs"
+            if not values:
+                continue
+            eps = float(np.finfo(np.float32).eps) if x.dtype == np.float32 else 2.0 ** -7
+            np.testing.assert_allclose(y.astype(np.float64), x.astype(np.float64), rtol=2 * eps,
+                                       atol=2 * float(np.finfo(np.float32).eps), err_msg=key)
 
 
 def tree_hash(path: str) -> str:

@@ -8,10 +8,10 @@ import shutil
 import numpy as np
 import pytest
 
-from ckptbridge import lora
+from ckptbridge.formats import peft
 from ckptbridge.adapter_check import lint_adapter, verify_adapter
-from ckptbridge.lora import AdapterConfig
-from ckptbridge.adapters import convert_orbax_to_peft
+from ckptbridge.formats.peft import AdapterConfig
+from ckptbridge import convert_orbax_to_peft
 from ckptbridge.io.safetensors import PlannedTensor, SafetensorsFile, write_file
 from ckptbridge.testing import lora_targets, build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
 
@@ -42,12 +42,12 @@ def rewrite(src: str, dst: str, *, tensor=None, rename=None, config=None) -> str
     """A copy of the PEFT adapter ``src`` with tensors changed (``tensor(key, array) -> array``),
     keys renamed (``rename(key) -> key``) and config fields replaced."""
     shutil.copytree(src, dst)
-    weights = os.path.join(dst, lora.ADAPTER_WEIGHTS)
-    with SafetensorsFile(os.path.join(src, lora.ADAPTER_WEIGHTS)) as f:
+    weights = os.path.join(dst, peft.ADAPTER_WEIGHTS)
+    with SafetensorsFile(os.path.join(src, peft.ADAPTER_WEIGHTS)) as f:
         arrays = {(rename or (lambda k: k))(k): (tensor or (lambda k, a: a))(k, f.array(k)) for k in f.keys()}
     write_file(weights, [PlannedTensor(k, a.dtype, a.shape, lambda a=a: a) for k, a in arrays.items()])
     if config:
-        path = os.path.join(dst, lora.ADAPTER_CONFIG)
+        path = os.path.join(dst, peft.ADAPTER_CONFIG)
         cfg = json.load(open(path))
         cfg.update(config)
         json.dump(cfg, open(path, "w"))

@@ -13,12 +13,12 @@ import re
 import numpy as np
 import pytest
 
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
 from ckptbridge.io.hf import HFModelDir
 from ckptbridge.io.orbax import OrbaxCheckpoint, nest
 from ckptbridge.mapping import Entry
-from ckptbridge.sources import open_hf_source
+from ckptbridge.formats.hf import open_hf_source
 from ckptbridge.verify import compare_tensors, logits_parity, tunix_logits
 
 from conftest import flat_state, rewrite_checkpoint, run_cli, tree_hash

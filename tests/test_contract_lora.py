@@ -10,13 +10,14 @@ import re
 import numpy as np
 import pytest
 
-from ckptbridge import lora
+from ckptbridge.formats import peft
+from ckptbridge.lora import rules as lora_rules
 from ckptbridge.adapter_check import lint_adapter
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
 from ckptbridge.errors import ConfigError, OutputError, UnsupportedError
 from ckptbridge.io.orbax import OrbaxCheckpoint, nest
-from ckptbridge.lora import open_base
-from ckptbridge.merge import merge_lora
+from ckptbridge.lora.base import open_base
+from ckptbridge import merge_lora
 from ckptbridge.testing import build_peft_adapter, build_tunix_lora, lora_targets, save_tunix_lora
 from ckptbridge.verify import hf_logits, peft_logits, rel_l2, tunix_logits
 
@@ -105,11 +106,11 @@ def test_lora_round_trips(adapters, tmp_path, name):
         rules_x = x.ckptbridge_metadata["lora"]["rules"]
         rules_y = y.ckptbridge_metadata["lora"]["rules"]
     for mod in base.modules:  # the recorded rules give every module the same rank and alpha
-        assert lora.scaling_from_rules(mod, rules_x, "a") == lora.scaling_from_rules(mod, rules_y, "b")
+        assert lora_rules.scaling_from_rules(mod, rules_x, "a") == lora_rules.scaling_from_rules(mod, rules_y, "b")
 
     (ckpt, _), peft_back = a.peft_as_orbax, str(tmp_path / "peft-back")
     convert_orbax_to_peft(ckpt, peft_back, base=a.base, progress=False)
-    with lora.open_peft_lora(a.peft, base) as x, lora.open_peft_lora(peft_back, base) as y:
+    with peft.open_peft_lora(a.peft, base) as x, peft.open_peft_lora(peft_back, base) as y:
         assert set(x.keys) == set(y.keys)
         for module in x.keys:
             (xa, xb), (ya, yb) = x.pair(module), y.pair(module)
@@ -223,7 +224,7 @@ def test_tunix_checkpoint_read_directly_equals_orbax_restore(adapters):
 def test_merged_models_convert(adapters, tmp_path):
     """A merged model (of either kind of adapter, in several files) is an HF checkpoint like any
     other: it converts to Orbax with ckptbridge."""
-    from ckptbridge.convert import convert_safetensors_to_orbax
+    from ckptbridge import convert_safetensors_to_orbax
 
     a = adapters["keqv_lm_f32_sharded"]
     for kind, adapter in (("peft", a.peft), ("orbax", a.tunix)):

@@ -130,8 +130,8 @@ def test_other_exceptions_stay_internal():
 @pytest.fixture(scope="module")
 def orbax_inputs(checkpoints, tmp_path_factory):
     """An Orbax weights checkpoint and an Orbax LoRA checkpoint, written with the real Orbax."""
-    from ckptbridge.adapters import convert_peft_to_orbax
-    from ckptbridge.convert import convert_safetensors_to_orbax
+    from ckptbridge import convert_peft_to_orbax
+    from ckptbridge import convert_safetensors_to_orbax
     from ckptbridge.testing import write_random_adapter
 
     tmp = tmp_path_factory.mktemp("orbax_inputs")

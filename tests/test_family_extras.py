@@ -9,12 +9,12 @@ import os
 import numpy as np
 import pytest
 
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 from ckptbridge.errors import MismatchError, UnsupportedError
-from ckptbridge.lora import open_base
-from ckptbridge.merge import merge_lora
-from ckptbridge.sources import open_hf_source
+from ckptbridge.lora.base import open_base
+from ckptbridge import merge_lora
+from ckptbridge.formats.hf import open_hf_source
 from ckptbridge.testing import build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
 from ckptbridge.verify import compare_tensors, hf_logits, logits_parity, peft_logits, rel_l2, tunix_logits
 

@@ -100,7 +100,7 @@ def test_config_parser_on_json_shaped_garbage(cfg):
 @FAST
 @given(st.binary(max_size=400))
 def test_adapter_config_reader(data):
-    from ckptbridge.lora import AdapterConfig
+    from ckptbridge.formats.peft import AdapterConfig
 
     path = write(data, "adapter_config.json")
     expect_ours(AdapterConfig.read, os.path.dirname(path))

@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 from ckptbridge.errors import OutputError
 from ckptbridge.io import storage
-from ckptbridge.merge import merge_lora
+from ckptbridge import merge_lora
 from ckptbridge.testing import build_peft_adapter
 from ckptbridge.verify import compare_tensors
 
@@ -131,7 +131,7 @@ def test_conversions_write_to_a_bucket(gcs, made, tmp_path):
 
 
 def test_a_failed_write_leaves_nothing(gcs, made, monkeypatch):
-    from ckptbridge import sources
+    from ckptbridge.formats import hf as sources
 
     calls = {"n": 0}
     real = sources.HFSource.tunix_value

@@ -9,14 +9,14 @@ import os
 import numpy as np
 import pytest
 
-from ckptbridge import lora
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge.lora import modules as lora_modules
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 from ckptbridge.errors import MismatchError, UnsupportedError
 from ckptbridge.io.safetensors import SafetensorsFile
-from ckptbridge.lora import open_base
-from ckptbridge.merge import merge_lora
-from ckptbridge.sources import open_hf_source
+from ckptbridge.lora.base import open_base
+from ckptbridge import merge_lora
+from ckptbridge.formats.hf import open_hf_source
 from ckptbridge.testing import build_checkpoint, build_peft_adapter, build_tunix_lora, save_tunix_lora
 from ckptbridge.verify import compare_tensors, hf_logits, logits_parity, peft_logits, rel_l2, tunix_logits
 
@@ -70,7 +70,7 @@ def test_per_layer_config_dialect(checkpoints, tmp_path, precise):
 def test_lora_layouts_follow_from_the_table():
     from ckptbridge.specs import GEMMA4
 
-    got = {r.name: lora.lora_layouts(r) for r in GEMMA4.rules if r.lora}
+    got = {r.name: lora_modules.lora_layouts(r) for r in GEMMA4.rules if r.lora}
     assert (got["q"].a_tunix, got["q"].b_tunix, got["q"].a_peft, got["q"].b_peft) == \
         ("d r", "r n h", "r (d)", "(n h) r")
     assert (got["kv"].a_tunix, got["kv"].b_tunix, got["kv"].b_peft_stacked) == ("d r", "r c k h", "c (k h) r")

@@ -1,4 +1,4 @@
-"""GGUF export (``ckptbridge.gguf_export``, ``ckptbridge convert to-gguf``).
+"""GGUF export and import (``ckptbridge.formats.gguf``, ``ckptbridge convert ... --to gguf``).
 
 The reference is ggml's own converter: ``convert_hf_to_gguf.py`` of llama.cpp, with its
 ``conversion/`` package and gguf-py, as vendored in the llama-cpp-python 0.3.36 sdist (which
@@ -6,8 +6,9 @@ scripts/setup.sh unpacks into build/ggml; tests/ggml_converter.py runs it). For 
 the contract table our file is the same bytes as the converter's for the same model and output
 type: metadata (architecture keys, tokenizer, chat template), tensor names, order, shapes, stored
 types and values (Gemma 1-3 norms + 1, Llama's q/k rows reordered, Qwen 3 MoE experts stacked,
-Gemma 4's rope_freqs and per-layer arrays). Then: values against the source without the
-converter, an adapter merged on the way, an Orbax source, and bad input.
+Gemma 4's rope_freqs and per-layer arrays); and the converter's files read back give the source's
+tensors. Then: values against the source without the converter, an adapter merged on the way, an
+Orbax source, and bad input.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ WIDE_ROWS = ["keqv_lm_f32_sharded", "gemma4_e2b", "gemma3_text", "gemma2", "qwen
 
 
 def _export(src: str, dst: str, outtype: str, **kw) -> str:
-    from ckptbridge.gguf_export import convert_to_gguf
+    from ckptbridge import convert_to_gguf
 
     convert_to_gguf(src, dst, outtype=outtype, progress=False, **kw)
     return dst
@@ -79,6 +80,28 @@ def test_exports_are_the_bytes_of_ggmls_converter(checkpoints, wide, tmp_path):
             differ.append(f"{name} {outtype}: {why}")
     assert not differ, "\n".join(differ)
     assert len(pairs) == 2 * len(MAIN_ROWS) + 2 * len(WIDE_ROWS) + 4
+    # the converter's own files read back (GGUF in): the source's tensors, bit for bit where the file
+    # stores the source's float type (norms ggml stores as 1 + w within their bound)
+    from conftest import assert_same_model
+
+    from ckptbridge import convert, formats
+    from ckptbridge.formats.hf import open_hf_source
+
+    read = 0
+    for name, outtype, src in pairs:
+        with open_hf_source(src, skip_multimodal=True) as s:
+            spec, cfg = s.spec, s.cfg
+            dtype = s.dtype(s.entries[0])
+            allowed = {k for e in s.entries if e.rule.name in formats.get("gguf").inexact(spec, cfg, outtype=outtype)
+                       for k in e.hf_keys}
+            towers = bool(s.tower_keys)
+        if towers or {"f32": "float32", "bf16": "bfloat16"}.get(outtype) != dtype.name:
+            continue
+        back = str(tmp_path / f"{name}.{outtype}.back")
+        convert(str(tmp_path / f"{name}.{outtype}.ref.gguf"), back, to="hf", config=src, progress=False)
+        assert_same_model(src, back, allowed)
+        read += 1
+    assert read >= len(MAIN_ROWS)
     from ckptbridge.io.gguf import read_gguf
 
     assert read_gguf(str(tmp_path / "llama3_sampled.bf16.gguf")).metadata["general.sampling.top_k"] == 20
@@ -132,7 +155,7 @@ def test_values_follow_the_source(wide, tmp_path):
 def test_an_adapter_merged_on_the_way_is_the_merged_models_export(checkpoints, adapters, tmp_path):
     """``--adapter``: a PEFT adapter and a Tunix LoRA checkpoint, each merged while exporting, give
     the file the export of the merged model gives (same bytes)."""
-    from ckptbridge.merge import merge_lora
+    from ckptbridge import merge_lora
 
     name = "qwen3_untied"
     base = checkpoints[name]
@@ -178,7 +201,7 @@ def test_bad_input_ends_in_one_line_and_writes_nothing(checkpoints, converted, t
         _export(src, str(tmp_path / "x.gguf"), "q4")
     assert not (tmp_path / "x.gguf").exists()
     code, err = run(converted["llama3_tied"][0], str(tmp_path / "y.gguf"), "--adapter", src)
-    assert code == 8 and "--adapter needs the HF base model directory" in err and not (tmp_path / "y.gguf").exists()
+    assert code == 8 and "not an adapter" in err and not (tmp_path / "y.gguf").exists()  # a model as --adapter
     # a tokenizer GGUF cannot express: a WordPiece one
     odd = tmp_path / "wordpiece"
     shutil.copytree(src, odd)
@@ -199,7 +222,7 @@ def test_verify_gguf_finds_every_changed_tensor(checkpoints, wide, adapters, tmp
     """``verify gguf``: our files (q8_0 with Gemma's norm shift, f16, an adapter merged) are
     identical to their sources; one changed byte is named; a file of another model is refused."""
     from ckptbridge.errors import MismatchError
-    from ckptbridge.gguf_export import verify_gguf
+    from ckptbridge.verify import verify_gguf
 
     src = wide["gemma3_text"]
     q8 = _export(src, str(tmp_path / "q8.gguf"), "q8_0")
@@ -232,7 +255,7 @@ def test_adapters_as_gguf_lora_are_ggmls_converters(checkpoints, adapters, tmp_p
     alpha (the converter's other general.* keys come from PEFT's model card). Adapters whose
     modules' scales differ (a PEFT rank/alpha pattern, a Tunix LoRA with kv at its own rank and
     alpha) get each scale folded into B and alpha 0."""
-    from ckptbridge.gguf_adapter import convert_adapter_to_gguf
+    from ckptbridge import convert_adapter_to_gguf
     from ckptbridge.io.gguf import read_gguf
     from ckptbridge.io.safetensors import SafetensorsFile
 

@@ -109,7 +109,7 @@ def _ggml(jobs: list[dict], tmp_path) -> dict:
 
 
 def test_ggml_computes_what_transformers_computes(checkpoints, wide, base_logits, adapters, tmp_path):
-    from ckptbridge.gguf_export import convert_to_gguf
+    from ckptbridge import convert_to_gguf
     from ckptbridge.verify import hf_logits
 
     jobs, expect, gaps = [], [], {}
@@ -154,8 +154,8 @@ def test_a_gguf_lora_on_its_base_is_the_merged_model(checkpoints, adapters, tmp_
     into B; Qwen 3). Gemma 4 (a PEFT pattern, a Tunix LoRA with kv at its own rank and alpha, both
     folded): against the merged model only, NMSE < 1e-6, as ggml's float16 GELU table turns the last
     bit of W x + s B (A x) against (W + s B A) x into a float16 step now and then."""
-    from ckptbridge.gguf_adapter import convert_adapter_to_gguf
-    from ckptbridge.gguf_export import convert_to_gguf
+    from ckptbridge import convert_adapter_to_gguf
+    from ckptbridge import convert_to_gguf
     from ckptbridge.testing import build_peft_adapter
     from ckptbridge.verify import peft_logits
 

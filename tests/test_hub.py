@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import ModelCard
 from safetensors.numpy import load_file
 
-from ckptbridge.adapters import convert_peft_to_orbax
+from ckptbridge import convert_peft_to_orbax
 from ckptbridge.io.hf import INDEX_NAME
 from ckptbridge.testing import build_peft_adapter, fill_hub_cache
 from ckptbridge.verify import compare_tensors

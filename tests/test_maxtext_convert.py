@@ -23,7 +23,8 @@ from ckptbridge.errors import MismatchError
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor
-from ckptbridge.maxtext import ITEM, ROOT, convert_maxtext_to_safetensors, convert_safetensors_to_maxtext
+from ckptbridge import convert_maxtext_to_safetensors, convert_safetensors_to_maxtext
+from ckptbridge.formats.maxtext.model import ITEM, ROOT
 from ckptbridge.testing import keyed_values, write_random_checkpoint
 
 
@@ -250,7 +251,7 @@ def test_tunix_and_maxtext_convert_into_each_other_as_through_hf(maxtext_rows, n
     """orbax-to-maxtext writes what safetensors-to-maxtext writes for the same model, and
     maxtext-to-orbax what safetensors-to-orbax writes for what maxtext-to-safetensors gives back
     (leaf for leaf, bytes and dtypes; row blocks of 1 KiB on every path)."""
-    from ckptbridge.convert import convert_safetensors_to_orbax  # noqa: PLC0415
+    from ckptbridge import convert_safetensors_to_orbax  # noqa: PLC0415
 
     row = maxtext_rows[name]
     hf, mt, vocab = str(tmp_path / "hf"), str(tmp_path / "mt"), row["maxtext_config"]["vocab_size"]

@@ -11,7 +11,7 @@ from conftest import MAXTEXT_ROWS, maxtext_plan
 
 from ckptbridge import mapping, specs
 from ckptbridge.errors import MismatchError
-from ckptbridge.maxtext_layout import _times, plan
+from ckptbridge.formats.maxtext.layout import _times, plan
 
 
 def _hf_of(leaf, e):

@@ -14,16 +14,17 @@ import os
 import numpy as np
 import pytest
 
-from ckptbridge import layout, mapping, maxtext_layout
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_maxtext
+from ckptbridge import layout, mapping
+from ckptbridge.formats.maxtext import layout as maxtext_layout
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_maxtext
 from ckptbridge.cli import main
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io.hf import HFModelDir
 from ckptbridge.io.safetensors import SafetensorsFile
-from ckptbridge.lora import open_base
-from ckptbridge.lora.maxtext import factor_leaves
-from ckptbridge.maxtext import ITEM, ROOT
-from ckptbridge.merge import merge_lora
+from ckptbridge.lora.base import open_base
+from ckptbridge.formats.maxtext.lora import factor_leaves
+from ckptbridge.formats.maxtext.model import ITEM, ROOT
+from ckptbridge import merge_lora
 from ckptbridge.testing import write_random_adapter, write_random_checkpoint
 
 FAMILIES = {"qwen3": {}, "llama3": {}, "gemma4": {}, "gemma3": dict(model_type="gemma3_text"), "gemma2": {}}

@@ -24,7 +24,7 @@ def test_orbax_outputs_record_the_tunix_version(tmp_path):
     was installed where it was written."""
     from importlib.metadata import version
 
-    from ckptbridge.convert import convert_safetensors_to_orbax
+    from ckptbridge import convert_safetensors_to_orbax
     from ckptbridge.io.orbax import OrbaxCheckpoint
     from ckptbridge.testing import build_checkpoint
 

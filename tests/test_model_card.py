@@ -9,8 +9,8 @@ import shutil
 import pytest
 from huggingface_hub import ModelCard
 
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-from ckptbridge.merge import merge_lora
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge import merge_lora
 from ckptbridge.model_card import hub_id, is_repo_id
 from ckptbridge.testing import build_peft_adapter
 

@@ -6,7 +6,10 @@ import re
 
 import pytest
 
-from ckptbridge.lora import Base, Scaling, lora_modules, rules_for, scaling_from_rules, target_modules_regex
+from ckptbridge.formats.peft import target_modules_regex
+from ckptbridge.lora.base import Base
+from ckptbridge.lora.modules import Scaling, lora_modules
+from ckptbridge.lora.rules import rules_for, scaling_from_rules
 from ckptbridge.specs import FAMILIES
 
 CASES = [(spec.name, t) for spec in FAMILIES.values() for t in spec.model_types]

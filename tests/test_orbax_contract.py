@@ -108,7 +108,7 @@ def test_a_changed_orbax_converts_through_the_public_interface(checkpoints, tmp_
     writer, and gives the same checkpoint."""
     import orbax.checkpoint as ocp
 
-    from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+    from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
 
     src = checkpoints["kv_lm_bf16_sharded"]
     streaming = convert_safetensors_to_orbax(src, str(tmp_path / "streaming"), chunk_size="4KiB", progress=False)

@@ -53,7 +53,7 @@ def test_core_install_merges_and_inspects(core_venv, checkpoints, tmp_path):
 
     base = checkpoints["kv_text_f32_sharded"]
     peft_dir = build_peft_adapter(base, str(tmp_path / "peft"), r=4, lora_alpha=8, seed=9)
-    from ckptbridge.merge import merge_lora
+    from ckptbridge import merge_lora
 
     merge_lora(base, peft_dir, str(tmp_path / "full"), progress=False)
     cli = _run(core_venv, "merge", base, peft_dir, str(tmp_path / "core"), "--quiet")

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
-from ckptbridge.merge import merge_lora
+from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
+from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+from ckptbridge import merge_lora
 
 SERIAL = dict(workers=1, memory_budget="4KiB")
 PARALLEL = dict(workers=4, memory_budget="64MiB")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ckptbridge.errors import UnsupportedError
-from ckptbridge.quantize import SCHEMES, get_scheme, quantize_weight
+from ckptbridge.formats.compressed_tensors import SCHEMES, get_scheme, quantize_weight
 
 
 def _torch_reference(w, scheme):
@@ -58,9 +58,9 @@ def _weights(dtype, seed=0):
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32], ids=["bf16", "f16", "f32"])
 def test_quantized_weight_and_scale_equal_compressed_tensors_operations(name, dtype, monkeypatch):
-    import ckptbridge.quantize
+    import ckptbridge.formats.compressed_tensors
 
-    monkeypatch.setattr(ckptbridge.quantize, "_CACHE_ELEMENTS", 500)  # blocks of 5 rows, the last one short
+    monkeypatch.setattr(ckptbridge.formats.compressed_tensors, "_CACHE_ELEMENTS", 500)  # blocks of 5 rows, the last one short
     scheme = SCHEMES[name]
     for seed in range(3):
         w = _weights(dtype, seed)
@@ -120,7 +120,7 @@ def _files(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tunix", "peft"])
 def test_one_pass_merge_and_quantize_equals_merge_then_quantize(adapters, tmp_path, kind):
-    from ckptbridge.merge import merge_lora, quantize_model
+    from ckptbridge import merge_lora, quantize_model
 
     row = adapters["kv_lm_bf16_sharded"]
     adapter = row.tunix if kind == "tunix" else row.peft
@@ -141,7 +141,7 @@ def test_one_pass_merge_and_quantize_equals_merge_then_quantize(adapters, tmp_pa
 
 
 def test_workers_and_budget_do_not_change_the_quantized_bytes(checkpoints, tmp_path):
-    from ckptbridge.merge import quantize_model
+    from ckptbridge import quantize_model
 
     src = checkpoints["kv_lm_bf16_sharded"]
     serial, parallel = str(tmp_path / "serial"), str(tmp_path / "parallel")
@@ -152,7 +152,7 @@ def test_workers_and_budget_do_not_change_the_quantized_bytes(checkpoints, tmp_p
 
 def test_quantized_model_lists_what_it_left_alone(checkpoints, tmp_path):
     from ckptbridge.io.hf import HFModelDir
-    from ckptbridge.merge import quantize_model
+    from ckptbridge import quantize_model
 
     src = checkpoints["gemma4_e2b_bf16_sharded"]  # per-layer projections: linear modules no LoRA targets
     dst = str(tmp_path / "q")
@@ -230,8 +230,8 @@ def test_scheme_names_are_the_options_choices():
 
 @pytest.mark.slow
 def test_orbax_to_safetensors_quantizes_in_the_same_pass(checkpoints, tmp_path):
-    from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
-    from ckptbridge.merge import quantize_model
+    from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+    from ckptbridge import quantize_model
 
     orbax = str(tmp_path / "orbax")  # stored in chunks of 4 KiB: the projections are read in boxes of rows
     convert_safetensors_to_orbax(checkpoints["kv_lm_bf16_sharded"], orbax, chunk_size="4KiB", progress=False)
@@ -253,7 +253,7 @@ def test_serving_takes_quantized_models_where_the_hardware_runs_them(checkpoints
     import subprocess
     import sys
 
-    from ckptbridge.merge import quantize_model
+    from ckptbridge import quantize_model
     from serving.bench import table
     from serving.vllm_facts import weights_memory
 
@@ -293,7 +293,7 @@ def test_serving_takes_quantized_models_where_the_hardware_runs_them(checkpoints
 def test_verify_quantized_reports_what_each_scheme_cost(checkpoints, tmp_path):
     from conftest import run_cli
 
-    from ckptbridge.merge import quantize_model
+    from ckptbridge import quantize_model
     from ckptbridge.verify import quantized_cost
 
     src = checkpoints["qwen3_untied_bf16_sharded"]

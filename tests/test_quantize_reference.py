@@ -16,8 +16,8 @@ import subprocess
 import pytest
 
 from ckptbridge.io.hf import HFModelDir
-from ckptbridge.merge import quantize_model
-from ckptbridge.quantize import SCHEMES
+from ckptbridge import quantize_model
+from ckptbridge.formats.compressed_tensors import SCHEMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUANT_PYTHON = os.environ.get("CKPTBRIDGE_QUANT_PYTHON") or os.path.join(ROOT, ".venv-quant", "bin", "python")
@@ -88,7 +88,7 @@ def test_quantized_model_equals_llm_compressor_byte_for_byte(row, scheme, source
 def test_reference_environment_is_the_one_the_format_version_names():
     out = subprocess.run([QUANT_PYTHON, "-c", "import compressed_tensors; print(compressed_tensors.__version__)"],
                          capture_output=True, text=True, check=True).stdout.strip()
-    from ckptbridge.quantize import COMPRESSED_TENSORS_VERSION
+    from ckptbridge.formats.compressed_tensors import COMPRESSED_TENSORS_VERSION
 
     assert out == COMPRESSED_TENSORS_VERSION
 

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, checkpoints):
-    from ckptbridge.adapters import convert_peft_to_orbax
-    from ckptbridge.convert import convert_safetensors_to_orbax
+    from ckptbridge import convert_peft_to_orbax
+    from ckptbridge import convert_safetensors_to_orbax
     from ckptbridge.testing import build_checkpoint, write_random_adapter
 
     root = tmp_path_factory.mktemp("pristine")
@@ -576,7 +576,7 @@ def test_bad_input(world, tmp_path, name, make, code, needle):
 
 def test_merge_lora_api_refuses_and_leaves_nothing(world, tmp_path):
     from ckptbridge.errors import CorruptFileError, MismatchError
-    from ckptbridge.merge import merge_lora
+    from ckptbridge import merge_lora
 
     argv, _ = c_merge_truncated_adapter(world, tmp_path)
     with pytest.raises(CorruptFileError, match="adapter_model.safetensors"):

@@ -36,7 +36,7 @@ FAMILIES = {
 def server(request, tmp_path_factory):
     import jax
 
-    from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
+    from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
     from ckptbridge.specs import get_family
     from ckptbridge.testing import (build_checkpoint, build_peft_adapter, build_tunix_lora, lora_targets,
                                     save_tunix_lora)

@@ -33,7 +33,7 @@ def run_serving(*args, timeout=600):
 def server(tmp_path_factory):
     import jax
 
-    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge import convert_orbax_to_peft
     from ckptbridge.specs.gemma4 import VLLM_DIMS
     from ckptbridge.testing import (lora_targets, build_checkpoint, build_peft_adapter, build_tunix_lora,
                                     save_tunix_lora)

@@ -99,8 +99,8 @@ def test_tunix_layout_follows_the_version():
 def test_toy_family_end_to_end(toy, tmp_path):
     import jax
 
-    from ckptbridge.adapters import convert_orbax_to_peft, convert_peft_to_orbax
-    from ckptbridge.convert import convert_orbax_to_safetensors, convert_safetensors_to_orbax
+    from ckptbridge import convert_orbax_to_peft, convert_peft_to_orbax
+    from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
     from ckptbridge.testing import build_peft_adapter, build_tunix_lora, save_tunix_lora
     from ckptbridge.tunix_model import load_tunix_adapter
     from ckptbridge.verify import compare_tensors, logits_parity, peft_logits, rel_l2, tunix_logits

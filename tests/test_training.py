@@ -117,7 +117,7 @@ def test_packed_loss_equals_unpacked(base, tokenizer):
     import jax.numpy as jnp
 
     from ckptbridge.tunix_model import load_tunix_model
-    from training.trainer import lm_loss
+    from training.loss import lm_loss
 
     jax.config.update("jax_default_matmul_precision", "highest")
     model, _ = load_tunix_model(base, param_dtype=np.float32)
@@ -146,12 +146,12 @@ def test_lora_under_remat_and_dropout(base, tokenizer):
     import jax
     from flax import nnx
 
-    from ckptbridge.qwix_lora import dropout_rngs, reseed
+    from ckptbridge.formats.qwix import dropout_rngs, reseed
     from ckptbridge.specs import GEMMA4
     from ckptbridge.tunix_model import open_tunix_model
     from training import step as step_lib
     from training.remat import REMAT, tunix_remat
-    from training.trainer import lm_loss
+    from training.loss import lm_loss
 
     jax.config.update("jax_default_matmul_precision", "highest")
     enc = data_lib.encode_rows(tokenizer, data_lib.read_rows(SAMPLE)[:6], 256)
@@ -225,7 +225,7 @@ def _loss_and_grads(model, chunk):
     import jax
     from flax import nnx
 
-    from training.trainer import lm_loss
+    from training.loss import lm_loss
 
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
     fn = jax.jit(jax.value_and_grad(lambda lora, rest, batch: lm_loss(nnx.merge(graphdef, lora, rest), batch,
@@ -349,7 +349,7 @@ def test_model_flops_count_every_matmul_weight_of_the_files(checkpoints, name):
 
     from safetensors import safe_open
 
-    from ckptbridge.lora import open_base
+    from ckptbridge.lora.base import open_base
     from training import throughput
 
     src = checkpoints[name]
@@ -496,7 +496,7 @@ def test_four_device_mesh_trains_like_one_device(tmp_path):
 
     from safetensors.numpy import load_file
 
-    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge import convert_orbax_to_peft
 
     tensors = {}
     for name in ("one", "four"):
@@ -623,7 +623,7 @@ def test_kills_resume_and_export(base, tokenizer, tmp_path):
     assert sum(r["loss_tokens"] for r in got) == sum(int(e["loss_mask"][1:].sum()) for e in enc.examples)
 
     # export with no flags, and PEFT on transformers gives the Tunix+qwix logits
-    from ckptbridge.adapters import convert_orbax_to_peft
+    from ckptbridge import convert_orbax_to_peft
     from ckptbridge.tunix_model import load_tunix_lora_model
     from ckptbridge.verify import peft_logits, rel_l2, tunix_logits
     import jax

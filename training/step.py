@@ -67,7 +67,7 @@ def for_training(model, cfg, model_cfg):
     """What the training step needs of a LoRA model (concrete or abstract) of ``model_cfg``: its
     decoder layers rematerialised as ``cfg.remat`` says (:mod:`training.remat`), its final hidden
     states kept (the loss in chunks) and LoRA dropout's random stream."""
-    from ckptbridge import qwix_lora
+    from ckptbridge.formats import qwix as qwix_lora
     from ckptbridge.tunix_model import family_of_model, keep_hidden_states, tunix_spec
     from training import remat
 
@@ -178,8 +178,8 @@ def step_functions(graphdef, opt_graphdef, *, loss_chunk: int, schedule, dropout
     import optax
     from flax import nnx
 
-    from ckptbridge import qwix_lora
-    from training.trainer import lm_loss
+    from ckptbridge.formats import qwix as qwix_lora
+    from training.loss import lm_loss
 
     def train_grad_step(lora, frozen, acc, batch, index):
         model = nnx.merge(graphdef, lora, frozen)

@@ -7,9 +7,9 @@ import os
 
 from ckptbridge.config import ModelConfig, read_config_file
 from ckptbridge.errors import InputNotFoundError
+from ckptbridge.formats.hf import find_prefix, open_hf_source
 from ckptbridge.io.hf import INDEX_NAME, read_index
 from ckptbridge.lora.modules import LoraModule, lora_modules
-from ckptbridge.sources import find_prefix, open_hf_source
 from ckptbridge.specs import FamilySpec, family_for
 
 

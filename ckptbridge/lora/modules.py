@@ -22,7 +22,7 @@ import numpy as np
 
 from ckptbridge import layout, mapping
 from ckptbridge.config import ModelConfig
-from ckptbridge.qwix_lora import lora_leaves
+from ckptbridge.formats.qwix import lora_leaves
 from ckptbridge.specs import FamilySpec
 
 T = TypeVar("T")

@@ -192,7 +192,7 @@ def gemma2_tiny(**overrides: Any) -> dict:
 
 def gguf_metadata(h: dict, block_count: int) -> list:
     """Gemma 1's keys in the converter's order (it writes its own list, not the common one)."""
-    from ckptbridge.io.gguf import f32, u32
+    from ckptbridge.specs.ggml import f32, u32
 
     return [("{arch}.context_length", u32(h["max_position_embeddings"])),
             ("{arch}.embedding_length", u32(h["hidden_size"])), ("{arch}.block_count", u32(block_count)),
@@ -206,7 +206,7 @@ def gguf_metadata(h: dict, block_count: int) -> list:
 
 def gguf2_metadata(h: dict, block_count: int) -> list:
     """Gemma 2's: Gemma 1's, then the two softcaps and the window."""
-    from ckptbridge.io.gguf import f32, u32
+    from ckptbridge.specs.ggml import f32, u32
 
     return gguf_metadata(h, block_count) + [
         ("{arch}.attn_logit_softcapping", f32(h["attn_logit_softcapping"])),

@@ -242,7 +242,7 @@ def tiny_config(model_type: str = "gemma3_text", **overrides: Any) -> dict:
 
 def gguf_metadata(h: dict, block_count: int) -> list:
     """The common keys, then the ones the converter sets again for Gemma 3 (in their places) or adds."""
-    from ckptbridge.io.gguf import f32, u32
+    from ckptbridge.specs.ggml import f32, u32
 
     out = ggml.base_metadata(h, block_count)
     rope = ggml.rope_parameters(h)

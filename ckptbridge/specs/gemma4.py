@@ -442,15 +442,15 @@ def gguf_metadata(h: dict, block_count: int) -> list:
     """Gemma 3's keys, then Gemma 4's: per-layer kv heads and MLP widths where they differ, the
     sliding pattern, both head sizes and rotary widths (the global layers' partial rotation is in
     ``rope_freqs``)."""
-    from ckptbridge.io.gguf import ValueType, array, u32
     from ckptbridge.specs import gemma3
+    from ckptbridge.specs.ggml import array, u32
 
     out = gemma3.gguf_metadata(h, block_count)
     shared = h["num_kv_shared_layers"]
     ggml.put(out, "{arch}.attention.shared_kv_layers", u32(shared))
     ggml.put(out, "{arch}.embedding_length_per_layer_input", u32(h.get("hidden_size_per_layer_input") or 0))
     swa = [t == SLIDING for t in h["layer_types"]]
-    ggml.put(out, "{arch}.attention.sliding_window_pattern", array(swa, ValueType.BOOL))
+    ggml.put(out, "{arch}.attention.sliding_window_pattern", array(swa, "bool"))
     full_dim, swa_dim = h["global_head_dim"], h["head_dim"]
     ggml.put(out, "{arch}.attention.key_length", u32(full_dim))
     ggml.put(out, "{arch}.attention.value_length", u32(full_dim))
@@ -462,10 +462,10 @@ def gguf_metadata(h: dict, block_count: int) -> list:
     if h.get("use_double_wide_mlp", False):
         n_ff, unshared = h["intermediate_size"], block_count - shared
         ggml.put(out, "{arch}.feed_forward_length",
-                 array([n_ff if i < unshared else 2 * n_ff for i in range(block_count)], ValueType.INT32))
+                 array([n_ff if i < unshared else 2 * n_ff for i in range(block_count)], "int32"))
     full_kv, swa_kv = h.get("num_global_key_value_heads"), h.get("num_key_value_heads")
     if full_kv is not None and swa_kv is not None:
-        ggml.put(out, "{arch}.attention.head_count_kv", array([swa_kv if s else full_kv for s in swa], ValueType.INT32))
+        ggml.put(out, "{arch}.attention.head_count_kv", array([swa_kv if s else full_kv for s in swa], "int32"))
     ggml.put(out, "{arch}.rope.dimension_count", u32(full_dim))
     ggml.put(out, "{arch}.rope.dimension_count_swa", u32(int(swa_dim * h.get("partial_rotary_factor", 1.0))))
     return out

@@ -1,8 +1,9 @@
 """What a family is in GGUF, the format of ggml's runtimes: its architecture name, the GGUF name of
 each HF tensor, the changes ggml's converter makes to values, and the metadata it writes.
 
-A family's :class:`GGUFSpec` is data beside its table of rows (``FamilySpec.gguf``); the export
-(:mod:`ckptbridge.gguf_export`) reads only these fields. The rules follow ggml's own converter
+A family's :class:`GGUFSpec` is data beside its table of rows (``FamilySpec.gguf``), metadata values
+plain ``(type, value)`` pairs; the GGUF format (:mod:`ckptbridge.formats.gguf`) reads only these
+fields. The rules follow ggml's own converter
 (``convert_hf_to_gguf.py`` with gguf-py 0.19.0): names as gguf-py's ``TensorNameMap`` gives them,
 metadata keys in its order, values it derives from the HF config the same way.
 """
@@ -96,6 +97,24 @@ class GGUFSpec:
     defaults: Callable[[Any], dict] | None = None
 
 
+def u32(v: int) -> tuple[str, int]:
+    """A GGUF metadata value as data (the GGUF writer stores it): an unsigned 32-bit integer."""
+    return ("uint32", int(v))
+
+
+def f32(v: float) -> tuple[str, float]:
+    return ("float32", float(v))
+
+
+def string(v: str) -> tuple[str, str]:
+    return ("string", str(v))
+
+
+def array(values, item: str) -> tuple[str, tuple[str, list]]:
+    """An array of ``item`` values (``"bool"``, ``"int32"``, ...)."""
+    return ("array", (item, list(values)))
+
+
 def text_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """The HF config as ggml's converter reads it: ``text_config``'s fields over the top level's."""
     text = hf_config.get("text_config")
@@ -131,7 +150,6 @@ def rope_parameters(h: Mapping[str, Any]) -> dict[str, Any]:
 def base_metadata(h: Mapping[str, Any], block_count: int) -> list[tuple[str, Any]]:
     """The keys every family gets (the converter's ``TextModel.set_gguf_parameters``), without the
     file type (the export adds it in this place: see :data:`FILE_TYPE`)."""
-    from ckptbridge.io.gguf import f32, string, u32
 
     out: list[tuple[str, Any]] = [("{arch}.block_count", u32(block_count))]
     for key, names in (("{arch}.context_length", ("max_position_embeddings", "n_ctx", "n_positions")),

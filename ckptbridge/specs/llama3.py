@@ -35,7 +35,7 @@ tiny_config = dfirst.tiny_config("llama", "LlamaForCausalLM", TINY_DIMS, rope_th
 
 def gguf_metadata(h: dict, block_count: int) -> list:
     """The common keys, the vocabulary size and the rotary width."""
-    from ckptbridge.io.gguf import u32
+    from ckptbridge.specs.ggml import u32
 
     return ggml.base_metadata(h, block_count) + [
         ("{arch}.vocab_size", u32(h["vocab_size"])),

@@ -5,7 +5,7 @@ tree (under ``params/params`` in a checkpoint) and its layout as an axis pattern
 own axis names. Model-scope paths are whole (``token_embedder/embedding``); layer-scope paths are
 relative to the layer's module: ``decoder/layers_{i}`` unscanned, ``decoder/layers`` with
 ``scan_layers``, where every layer's tensor is stacked on axis 1 (MaxText's ``param_scan_axis``;
-``ckptbridge.maxtext_layout``). What MaxText does, family by family: docs/maxtext-reference.md.
+``ckptbridge.formats.maxtext.layout``). What MaxText does, family by family: docs/maxtext-reference.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class MaxTextSpec:
     family's MaxText model has none). ``when``: layer flag -> names that replace those of
     ``names`` on layers with the flag (Gemma 4's dense MLP sits under ``moe_block/shared_experts``
     in its MoE layers). ``transforms``: rule name -> the value transforms MaxText's conversion
-    applies to it, by name (``ckptbridge.maxtext_layout.TRANSFORMS``), on the way to MaxText,
+    applies to it, by name (``ckptbridge.formats.maxtext.layout.TRANSFORMS``), on the way to MaxText,
     after the layout change. ``scan``: how ``scan_layers`` stacks the layers; ``no_scan_when``:
     a model flag under which MaxText has no scanned form (Gemma 4 E2B/E4B); ``vocab``: the
     vocabulary MaxText's model configs give where HF's is smaller (a :class:`Part` with ``pad``

@@ -70,7 +70,7 @@ TINY = {"qwen3": dfirst.tiny_config("qwen3", "Qwen3ForCausalLM", TINY_DIMS, rope
 
 def gguf_moe_metadata(h: dict, block_count: int) -> list:
     """The common keys (expert counts among them) and the experts' MLP widths."""
-    from ckptbridge.io.gguf import u32
+    from ckptbridge.specs.ggml import u32
 
     out = ggml.base_metadata(h, block_count)
     for key, field in (("{arch}.expert_feed_forward_length", "moe_intermediate_size"),

@@ -1,28 +1,61 @@
 """PEFT's LoRA format: ``adapter_config.json`` (one typed config, read once and written once),
-``adapter_model.safetensors`` (factor names), the modules a config selects, and a PEFT adapter
-validated against its base."""
+``adapter_model.safetensors`` (factor names), the modules a config selects, a PEFT adapter
+validated against its base, and any adapter written as one (for transformers + PEFT, or for
+vLLM: ``target="vllm"``).
+
+What ckptbridge knows of vLLM's LoRA support (vLLM 0.32), for adapters written for it and for
+``verify adapter --target vllm``:
+
+* vLLM accepts ``--max-lora-rank`` only from a fixed list and defaults to 16
+  (``vllm/config/lora.py``); an adapter above the limit fails to load.
+* vLLM applies LoRA per HF module with its own slots; where transformers computes a module from
+  another's output (V computed from K's projection), the export repeats the factors under
+  the module's name: the family spec declares these as ``vllm_lora_aliases``.
+* vLLM 0.32 honours ``rank_pattern`` / ``alpha_pattern`` (measured); exports still make rank and
+  alpha uniform, which every release reads.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
+import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from ckptbridge import mapping
+from ckptbridge import mapping, model_card, options, specs
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
+from ckptbridge.io import storage
+from ckptbridge.io.atomic import atomic_directory
 from ckptbridge.io.files import close_on_error, read_json_object
 from ckptbridge.io.hf import check_inside
-from ckptbridge.io.safetensors import SafetensorsFile, numpy_dtype
+from ckptbridge.io.safetensors import PlannedTensor, SafetensorsFile, numpy_dtype, write_file
 from ckptbridge.lora.base import Base
+from ckptbridge.lora.factors import AdapterRows
 from ckptbridge.lora.modules import Scaling, plain_number
 from ckptbridge.lora.select import module_regex
+from ckptbridge.metadata import KEY, Metadata
+from ckptbridge.options import TARGETS
+from ckptbridge.progress import Progress
+from ckptbridge.report import Report, human_bytes
+from ckptbridge.stream import Parts
 
+NAME = "peft"
 PEFT_PREFIX = "base_model.model."
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's --max-lora-rank default
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
+
+
+def next_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that fits ``rank``."""
+    return next((r for r in LORA_RANKS if r >= rank), rank)
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # a LoRA factor's key after PEFT_PREFIX: <module>.lora_A[.<adapter name>].weight
@@ -255,18 +288,32 @@ class ParamLora:
                 start += rows
 
 
-@dataclasses.dataclass
-class PeftLora:
+class PeftLora(AdapterRows):
     """A PEFT LoRA adapter directory, validated against the base."""
 
-    path: str
-    file: SafetensorsFile
-    base: Base
-    config: AdapterConfig
-    keys: dict[str, tuple[str, str]]  # HF module -> (lora_A key, lora_B key)
-    scaling: dict[str, Scaling]  # HF module -> scaling
-    vllm_repeats: int = 0  # v_proj copies of k_proj factors (vLLM export) that were dropped
-    params: dict[str, ParamLora] = dataclasses.field(default_factory=dict)  # target_parameters LoRA
+    format = NAME
+
+    def __init__(self, path: str, file: SafetensorsFile, base: Base, config: AdapterConfig,
+                 keys: dict[str, tuple[str, str]], scaling: dict[str, Scaling], vllm_repeats: int = 0,
+                 params: dict[str, ParamLora] | None = None):
+        self.path, self.file, self.base, self.config = path, file, base, config
+        self.keys = keys  # HF module -> (lora_A key, lora_B key)
+        self.scaling = scaling  # HF module -> scaling
+        self.vllm_repeats = vllm_repeats  # v_proj copies of k_proj factors (vLLM export) that were dropped
+        self.params = params or {}  # target_parameters LoRA
+
+    @property
+    def dropout(self) -> float:
+        return float(self.config.lora_dropout or 0.0)
+
+    def names(self) -> list[str]:
+        return list(self.keys)
+
+    def scaling_of(self, name: str) -> Scaling:
+        return self.scaling[name]
+
+    def dtype_of(self, name: str) -> np.dtype:
+        return self.dtype(name)
 
     def pair(self, hf_module: str) -> tuple[np.ndarray, np.ndarray]:
         ka, kb = self.keys[hf_module]
@@ -275,14 +322,15 @@ class PeftLora:
     def dtype(self, hf_module: str) -> np.dtype:
         return numpy_dtype(self.file.info(self.keys[hf_module][0]).dtype)
 
+    def deltas(self):
+        yield from super().deltas()
+        for param in self.params.values():
+            for key, row, pair in param.expert_deltas(self.file):
+                yield key, row, param.scaling.scale, pair
+
     def close(self) -> None:
         self.file.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 def open_peft_lora(src: str, base: Base) -> PeftLora:
     """A PEFT LoRA adapter directory, validated against ``base`` (no factor read)."""
@@ -442,3 +490,155 @@ def _param_modules(base: Base, cfg: AdapterConfig) -> dict[str, str]:
     return out
 
 
+
+def detect(probe) -> bool:
+    return probe.has(ADAPTER_CONFIG)
+
+
+def open_source(src: str, base: Base, **_) -> PeftLora:
+    return open_peft_lora(src, base)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftExportReport(Report):
+    """An adapter written as a PEFT adapter."""
+
+    direction: str
+    source: str
+    destination: str
+    family: str
+    key_prefix: str
+    target: str
+    config_mismatch: str | None
+    modules: int
+    tensors: int
+    bytes: int
+    r: int
+    lora_alpha: float | int
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float | int]
+    warnings: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        text = (f"{self.direction} ({self.target}): {self.source} -> {self.destination}\n"
+                f"  {self.modules} modules, r={self.r}, lora_alpha={self.lora_alpha}, {human_bytes(self.bytes)} "
+                f"in {self.seconds:.2f} s")
+        return text + "".join(f"\n  warning: {w}" for w in self.warnings)
+
+
+def padded(a: np.ndarray, b: np.ndarray, sc: Scaling, pad_to: int | None,
+           fold_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """A PEFT pair padded to rank ``pad_to`` with its scale folded into B as ``fold_scale`` (vLLM
+    and MaxText take one rank and alpha), or as it is."""
+    if pad_to is None or fold_scale is None or (sc.rank >= pad_to and sc.scale == fold_scale):
+        return a, b
+    dtype = a.dtype
+    a = np.concatenate([a, np.zeros((pad_to - sc.rank, a.shape[1]), dtype)])
+    scaled = b.astype(np.float32) * np.float32(sc.scale / fold_scale)
+    return a, np.concatenate([scaled.astype(dtype), np.zeros((b.shape[0], pad_to - sc.rank), dtype)], axis=1)
+
+
+def _peft_parts(read, by_source: dict, pad_to: int | None, fold_scale: float | None) -> list[tuple[str, np.ndarray]]:
+    """The PEFT factors of a batch, under every name they are written as."""
+    parts = []
+    for source_name, (a0, b0) in read().items():
+        for name, sc in by_source[source_name]:
+            a, b_ = padded(a0, b0, sc, pad_to, fold_scale)
+            parts += [(factor_key(name, "A"), a), (factor_key(name, "B"), b_)]
+    return parts
+
+
+def write(ad: AdapterRows, dst: str, req, *, target: str = "hf", base_id: str | None = None) -> PeftExportReport:
+    """Write ``ad`` as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors`` + a
+    model card ``README.md``). ``target="vllm"`` also writes, on k_eq_v layers, the k_proj factors
+    as v_proj (vLLM applies V's LoRA separately) and makes rank/alpha uniform (vLLM ignores
+    rank/alpha patterns). ``base_id`` is the base's Hub id for the adapter config and model card
+    (default: found from a Hub cache path or the base's config; else the base's local path is
+    recorded). Factors are read and converted in batches on the engine's workers ahead of the
+    writer."""
+    import logging
+
+    from ckptbridge.formats.tunix_lora import no_expert_lora
+
+    log = logging.getLogger(__name__)
+    options.choice("target", target, TARGETS)
+    model_card.check_repo_id("base_id", base_id)
+    b = ad.base
+    base_id = model_card.hub_id(b.path, base_id)
+    mismatch = specs.note_mismatch(b.cfg)
+    no_expert_lora(ad, "ckptbridge writes PEFT adapters of LoRA on modules")
+    warnings: list[str] = []
+    modules = b.by_hf_module()
+    # every HF module that gets factors: (name written, name read, scaling)
+    plan: list[tuple[str, str, Scaling]] = []
+    for name in ad.names():
+        sc = ad.scaling_of(name)
+        plan.append((name, name, sc))
+        mod, i = modules[name]
+        if target == "vllm" and i == 0:
+            plan += [(alias, name, sc) for alias in mod.vllm_aliases]
+    counts = Counter((sc.rank, sc.alpha) for _, _, sc in plan)
+    (r, alpha_default), _ = counts.most_common(1)[0]
+    max_rank = max(sc.rank for _, _, sc in plan)
+    uniform = len(counts) == 1
+    pad_to, fold_scale = None, None
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+    if not uniform and target == "vllm":
+        pad_to, fold_scale = max_rank, alpha_default / r
+        r, alpha_default = max_rank, fold_scale * max_rank
+        warnings.append(
+            f"ranks/alphas differ between modules: padded every module to rank {max_rank} and folded the "
+            "per-module scales into lora_B (vLLM ignores rank_pattern/alpha_pattern)"
+        )
+    elif not uniform:
+        for name, _, sc in plan:
+            if sc.rank != r:
+                rank_pattern[re.escape(name)] = sc.rank
+            if sc.alpha != alpha_default:
+                alpha_pattern[re.escape(name)] = plain_number(sc.alpha)
+    if target == "vllm" and max_rank > DEFAULT_MAX_LORA_RANK:
+        warnings.append(
+            f"rank {max_rank} exceeds vLLM's default --max-lora-rank {DEFAULT_MAX_LORA_RANK}: "
+            f"serve with --max-lora-rank {next_rank(max_rank)}"
+        )
+    for w in warnings:
+        log.warning(w)
+    by_source: dict[str, list[tuple[str, Scaling]]] = {}
+    for name, source_name, sc in plan:
+        by_source.setdefault(source_name, []).append((name, sc))
+    parts = Parts(req.engine.stream((nbytes, functools.partial(_peft_parts, read, by_source, pad_to, fold_scale))
+                                    for nbytes, read in ad.reads()))
+    tensors = []
+    for name, source_name, sc in plan:
+        shapes = modules[source_name][0].shapes(pad_to or sc.rank)
+        for which, shape in (("A", shapes["a_peft"]), ("B", shapes["b_peft"])):
+            key = factor_key(name, which)
+            tensors.append(PlannedTensor(key, ad.dtype_of(source_name), shape, functools.partial(parts.take, key)))
+    names = [name for name, _, _ in plan]
+    config = export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, ad.dropout, base_id)
+    card = model_card.adapter_card(
+        base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=ad.step,
+        rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
+        target_modules=sorted({n.rsplit(".", 1)[-1] for n in names}), target=target, family=b.spec.name,
+        peft_version=model_card.installed_version("peft"))
+    meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=storage.absolute(ad.path),
+                                     base=os.path.abspath(b.path)).to_json())}
+    total = sum(t.nbytes for t in tensors)
+    bar = Progress(total, req.desc, enabled=req.progress)
+    with atomic_directory(dst, req.overwrite) as tmp:
+        os.makedirs(tmp)
+        write_file(os.path.join(tmp, ADAPTER_WEIGHTS), tensors, meta, on_tensor=lambda t: bar.update(t.nbytes))
+        config.write(tmp)
+        with open(os.path.join(tmp, model_card.FILENAME), "w") as f:
+            f.write(card)
+    bar.close()
+    return PeftExportReport(
+        direction=req.direction, source=ad.path, destination=dst, family=b.spec.name, key_prefix=b.prefix,
+        target=target, config_mismatch=mismatch, modules=len(plan), tensors=len(tensors), bytes=total, r=r,
+        lora_alpha=plain_number(alpha_default), rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        warnings=warnings, seconds=round(time.perf_counter() - req.t0, 3))

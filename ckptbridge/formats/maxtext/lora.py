@@ -8,29 +8,44 @@ kernel, blocks on axis 1 (and positions in a block on axis 2). So ``kernel_lora_
 along its output axes (a RoPE reordering, a folded query scale: the family's MaxText spec) applied to
 B, as MaxText's ``to_maxtext`` writes an adapter. The scale is ``lora_alpha / lora_rank`` of the
 step's custom metadata (``"lora"``), MaxText's one rank and alpha for every module.
+
+Writing any adapter as MaxText's: MaxText has one rank and alpha, so where the adapter's modules
+differ every module is padded to the largest rank and its scale folded into B (exact).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+import logging
+import os
+import time
+from collections import Counter
 
 import numpy as np
 
-from ckptbridge import layout, maxtext, maxtext_layout
+from ckptbridge import deps, layout, mapping, specs
 from ckptbridge.errors import ConfigError, MismatchError, UnsupportedError
+from ckptbridge.formats.maxtext import layout as maxtext_layout
+from ckptbridge.formats.maxtext import model as maxtext
+from ckptbridge.formats.maxtext.layout import Leaf, Transform, transforms_of
 from ckptbridge.io import orbax as orbax_io
 from ckptbridge.io import storage
+from ckptbridge.io.atomic import atomic_directory
 from ckptbridge.io.files import close_on_error
 from ckptbridge.lora.base import Base
-from ckptbridge.lora.modules import LoraModule, Scaling, in_batches
-from ckptbridge.maxtext_layout import Leaf, Transform, transforms_of
-from ckptbridge.sources import more
+from ckptbridge.lora.factors import AdapterRows, ModuleLora, Pair, Target
+from ckptbridge.lora.modules import LoraModule, Scaling, in_batches, plain_number
+from ckptbridge.metadata import KEY, Metadata
+from ckptbridge.progress import progress_over
+from ckptbridge.report import Report, human_bytes
+from ckptbridge.rows import more
+from ckptbridge.stream import Shared
 
+NAME = "maxtext-lora"
 LORA_KEY = "lora"  # MaxText's custom metadata of a LoRA run: {"lora_rank", "lora_alpha", ...}
 A_SUFFIX, B_SUFFIX = maxtext.LORA_SUFFIXES
-Target = tuple[LoraModule, int]  # a module and the index of one of its HF modules
+log = logging.getLogger(__name__)
 
 
 def _group(axes: list[str] | tuple[str, ...]) -> str:
@@ -39,7 +54,7 @@ def _group(axes: list[str] | tuple[str, ...]) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FactorLeaves:
-    """The two LoRA factors of one MaxText kernel (:class:`~ckptbridge.maxtext_layout.Leaf`) and
+    """The two LoRA factors of one MaxText kernel (:class:`~ckptbridge.formats.maxtext.layout.Leaf`) and
     their layouts: MaxText's (``a``, ``b``, unscanned; ``b_open`` with the output axes apart, for
     the transforms), PEFT's (``a_peft``, ``b_peft``), and the HF modules of its entries."""
 
@@ -124,27 +139,26 @@ def factor_leaves(base: Base, leaves: list[Leaf]) -> list[FactorLeaves]:
     return out
 
 
-@dataclasses.dataclass
-class MaxTextLora:
+class MaxTextLora(ModuleLora):
     """A MaxText LoRA checkpoint (LoRA only, or beside the kernels), validated against the base."""
 
-    path: str
-    ckpt: orbax_io.OrbaxCheckpoint
-    base: Base
-    tree: maxtext.Tree
-    factors: list[tuple[FactorLeaves, tuple[int, ...]]]  # factor leaves present, and their entries with LoRA
-    scaling: dict[LoraModule, Scaling]
-    step: int | None
-    leading: set[FactorLeaves] = dataclasses.field(default_factory=set)  # stacked on axis 0, not as the kernel
-    dropout: float = 0.0
-    batch_bytes: int = 32 << 20
+    format = NAME
 
-    def targets(self) -> list[Target]:
-        """Every (module, HF module index) with factors, in the order they are read: a stored
-        tensor at a time (all layers of a rule, where they are stacked)."""
-        return [f.targets[pos] for f, positions in self.factors for pos in positions]
+    def __init__(self, path: str, ckpt: orbax_io.OrbaxCheckpoint, base: Base, tree: maxtext.Tree,
+                 factors: list[tuple[FactorLeaves, tuple[int, ...]]], scaling: dict[LoraModule, Scaling],
+                 step: int | None, leading: set[FactorLeaves] | None = None, batch_bytes: int = 32 << 20):
+        self.path, self.ckpt, self.base, self.tree = path, ckpt, base, tree
+        self.factors = factors  # factor leaves present, and their entries with LoRA
+        self.scaling = scaling
+        self._step = step
+        self.leading = leading or set()  # stacked on axis 0, not as the kernel
+        self.batch_bytes_limit = batch_bytes
 
-    def dtype(self, mod: LoraModule) -> np.dtype:
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    def module_dtype(self, mod: LoraModule) -> np.dtype:
         for f, positions in self.factors:
             if any(f.targets[p][0] == mod for p in positions):
                 return self.ckpt.leaves[self.tree.stored[f.paths[0]]][1]
@@ -156,15 +170,16 @@ class MaxTextLora:
 
     def batches(self) -> list[list[tuple[FactorLeaves, tuple[int, ...]]]]:
         """The factor leaves in batches of about ``batch_bytes``, each read in one call (a stacked
-        leaf whole: its layers are one stored tensor)."""
-        return in_batches(self.factors, lambda item: self._bytes(item[0]), self.batch_bytes)
+        leaf whole: its layers are one stored tensor); the targets in the order they are read."""
+        return in_batches(self.factors, lambda item: self._bytes(item[0]), self.batch_bytes_limit)
 
-    def peft_reads(self) -> list[tuple[int, functools.partial]]:
-        """The factors in batches (:meth:`batches`): (bytes, a read that gives the PEFT
-        ``(lora_A, lora_B)`` of each of the batch's targets)."""
-        return [(sum(self._bytes(f) for f, _ in b), functools.partial(self.read, b)) for b in self.batches()]
+    def batch_targets(self, batch) -> list[Target]:
+        return [f.targets[pos] for f, positions in batch for pos in positions]
 
-    def read(self, batch) -> dict[Target, tuple[np.ndarray, np.ndarray]]:
+    def batch_bytes(self, batch) -> int:
+        return sum(self._bytes(f) for f, _ in batch)
+
+    def read_peft(self, batch) -> dict[Target, Pair]:
         """PEFT ``(lora_A, lora_B)`` of every target of ``batch`` (safe to call from several threads)."""
         got = self.ckpt.read([self.tree.stored[p] for f, _ in batch for p in f.paths])
         out = {}
@@ -177,20 +192,8 @@ class MaxTextLora:
                 out[f.targets[pos]] = f.to_peft(pos, *one)
         return out
 
-    def deltas(self) -> Iterator[tuple[str, float, tuple[np.ndarray, np.ndarray]]]:
-        """(HF module, scale, PEFT pair) of every target, a batch read at a time."""
-        for batch in self.batches():
-            for (mod, i), pair in self.read(batch).items():
-                yield mod.hf_modules[i], self.scaling[mod].scale, pair
-
     def close(self) -> None:
         self.ckpt.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def is_maxtext(ckpt: orbax_io.OrbaxCheckpoint) -> bool:
@@ -277,4 +280,127 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, base: Base, alpha: float | None) -
     return MaxTextLora(path, ckpt, base, tree, factors, scaling, step, leading)
 
 
-__all__ = ["FactorLeaves", "MaxTextLora", "factor_leaves", "is_maxtext", "open_maxtext_lora"]
+def detect(probe) -> bool:
+    """A MaxText checkpoint holding LoRA factors (``kernel_lora_a`` / ``kernel_lora_b``)."""
+    found = maxtext.describe(probe.checkpoint) if probe.checkpoint is not None else None
+    return found is not None and found["lora"]
+
+
+def open_source(src: str, base: Base, *, step: int | None = None, alpha: float | None = None, **_) -> MaxTextLora:
+    path = maxtext.resolve(src, step)
+    return open_maxtext_lora(orbax_io.OrbaxCheckpoint(path), base, alpha=alpha)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextLoraReport(Report):
+    """An adapter written as a MaxText LoRA checkpoint."""
+
+    direction: str
+    source: str
+    destination: str
+    family: str
+    config_mismatch: str | None
+    scan_layers: bool
+    modules: int
+    zero_layers: int  # stacked layers the adapter has no LoRA on, written as zero factors
+    lora_rank: int
+    lora_alpha: float | int
+    bytes: int
+    warnings: list[str]
+    seconds: float
+
+    def summary(self) -> str:
+        lay = "scanned" if self.scan_layers else "unscanned"
+        text = (f"{self.direction}: {self.source} -> {self.destination}/0/{maxtext.ITEM}\n"
+                f"  {self.modules} modules ({lay}), lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, "
+                f"{human_bytes(self.bytes)} in {self.seconds:.2f} s\n"
+                f"  MaxText: lora.lora_restore_path={self.destination.rstrip('/')}/0/{maxtext.ITEM} with "
+                f"scan_layers={str(self.scan_layers).lower()}")
+        if self.zero_layers:
+            text += f"\n  {self.zero_layers} stacked layer factors without LoRA in the adapter written as zeros"
+        return text + "".join(f"\n  warning: {w}" for w in self.warnings)
+
+
+def write(ad: AdapterRows, dst: str, req, *, scan_layers: bool = False,
+          compression: bool = True) -> MaxTextLoraReport:
+    """Write ``ad`` as the MaxText LoRA checkpoint ``dst/0/items`` (``kernel_lora_a`` = ``lora_A``
+    transposed, ``kernel_lora_b`` = ``lora_B`` transposed with the kernel's value transforms, as
+    MaxText's ``to_maxtext`` converts an adapter; stacked on axis 1 with ``scan_layers``), with
+    ``lora_rank`` and ``lora_alpha`` in the step's metadata as MaxText's trainer records them."""
+    from ckptbridge.formats.peft import padded
+    from ckptbridge.formats.tunix_lora import no_expert_lora
+
+    deps.require("orbax")
+    b = ad.base
+    mt = maxtext.maxtext_spec(b.spec, b.path)
+    mismatch = specs.note_mismatch(b.cfg)
+    no_expert_lora(ad, "MaxText's experts take no LoRA in ckptbridge")
+    names = ad.names()
+    leaves = maxtext_layout.plan(mapping.entries(b.cfg, b.spec, b.prefix), mt, scan_layers, b.cfg.flags)
+    where: dict[str, tuple[FactorLeaves, int]] = {}
+    for f in factor_leaves(b, leaves):
+        for pos, (mod, i) in enumerate(f.targets):
+            where[mod.hf_modules[i]] = (f, pos)
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise UnsupportedError(f"{ad.path}: LoRA on {missing[0]}{more(missing)}, which has no LoRA form in MaxText's "
+                               f"layout of {b.spec.name}; merge the adapter into the base instead")
+    counts = Counter(ad.scaling_of(n).scale for n in names)
+    scale = counts.most_common(1)[0][0]
+    rank = max(ad.scaling_of(n).rank for n in names)
+    warnings: list[str] = []
+    if len(counts) > 1 or len({ad.scaling_of(n).rank for n in names}) > 1:
+        warnings.append(f"ranks/scales differ between modules: padded every module to rank {rank} and folded "
+                        "the per-module scales into kernel_lora_b (MaxText has one rank and alpha)")
+    elif any(ad.scaling_of(n).rslora for n in names):
+        warnings.append("rsLoRA: lora_alpha written as the scale times the rank (MaxText scales by alpha / rank)")
+    for w in warnings:
+        log.warning(w)
+    alpha = plain_number(scale * rank)
+    users: dict[FactorLeaves, dict[int, str]] = {}
+    for n in names:
+        f, pos = where[n]
+        users.setdefault(f, {})[pos] = n
+
+    def made(f: FactorLeaves) -> tuple[np.ndarray, np.ndarray]:
+        dtype = ad.dtype_of(next(iter(users[f].values())))
+        out = [np.zeros(s, dtype) for s in f.shapes(rank)]
+        for pos, n in users[f].items():
+            a0, b0 = ad.pair(n)
+            for full, x in zip(out, f.to_maxtext(pos, *padded(a0, b0, ad.scaling_of(n), rank, scale))):
+                full[f.region(pos, full.ndim)] = f.leaf.stacked(x.astype(dtype, copy=False))
+        return out[0], out[1]
+
+    shared = {f: Shared(functools.partial(made, f), uses=2) for f in users}
+
+    def factor(f: FactorLeaves, which: int) -> np.ndarray:
+        return shared[f].get()[which]
+
+    flat: dict[tuple[str, ...], orbax_io.LazyArray] = {}
+    for f, at in users.items():
+        dtype = ad.dtype_of(next(iter(at.values())))
+        for which, (path, shape) in enumerate(zip(f.paths, f.shapes(rank))):
+            flat[maxtext.ROOT + path + ("value",)] = orbax_io.LazyArray(shape, dtype,
+                                                                        functools.partial(factor, f, which))
+    tree = {**orbax_io.nest(flat), "step": np.asarray(0, np.int64)}  # MaxText's TrainState step
+    meta = {maxtext.SCAN_KEY: scan_layers,
+            LORA_KEY: {"enable_lora": True, "lora_rank": rank, "lora_alpha": alpha},
+            KEY: Metadata(kind="lora", family=b.spec.name, base=os.path.abspath(b.path), key_prefix=b.prefix,
+                          source=storage.absolute(ad.path)).to_json()}
+    bar = progress_over(flat.values(), req.desc, req.progress)
+    total = bar.total
+    with atomic_directory(dst, req.overwrite) as tmp:
+        orbax_io.save_manager_step(tmp, 0, tree, meta, item=maxtext.ITEM, compression=compression, engine=req.engine)
+    bar.close()
+    return MaxTextLoraReport(
+        direction=req.direction, source=req.source, destination=dst, family=b.spec.name, config_mismatch=mismatch,
+        scan_layers=scan_layers, modules=len(names),
+        zero_layers=sum(len(f.targets) - len(at) for f, at in users.items()), lora_rank=rank,
+        lora_alpha=alpha, bytes=total, warnings=warnings, seconds=round(time.perf_counter() - req.t0, 3))
+
+
+__all__ = ["FactorLeaves", "MaxTextLora", "MaxTextLoraReport", "factor_leaves", "is_maxtext", "open_maxtext_lora",
+           "open_source", "write"]

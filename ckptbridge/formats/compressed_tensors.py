@@ -226,13 +226,18 @@ def scale_rows(scales: list) -> Iterator[np.ndarray]:
     yield out
 
 
-def quantized_parts(make: Callable[[], list[tuple[str, np.ndarray]]], plan: Plan,
-                    shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, object]]:
-    """``make()``'s named parts (whole HF tensors or blocks of their rows), those of the plan's
-    weights quantized to ``(weight, weight_scale)`` rows."""
+def _quantized(make: Callable[[], list], plan: Plan, shapes: dict[str, tuple[int, ...]]) -> list:
     weights = set(plan.weights)
-    return [(key, quantize_weight(np.ascontiguousarray(v).reshape(-1, shapes[key][-1]), plan.scheme, key)
-             if key in weights else v) for key, v in make()]
+    return [(key, row, quantize_weight(np.ascontiguousarray(v).reshape(-1, shapes[key][-1]), plan.scheme, key)
+             if key in weights else v) for key, row, v in make()]
+
+
+def quantized_jobs(jobs: Iterable, plan: Plan, shapes: dict[str, tuple[int, ...]]) -> Iterator:
+    """The quantization stage: ``jobs`` (making :data:`~ckptbridge.rows.Part` lists: whole HF
+    tensors or blocks of their rows) with the parts of the plan's weights quantized to
+    ``(weight, weight_scale)`` rows."""
+    for cost, make in jobs:
+        yield cost, functools.partial(_quantized, make, plan, shapes)
 
 
 def quantization_config(config: dict):
@@ -278,22 +283,22 @@ def already_quantized(config: dict, dtypes: dict[str, str]) -> str | None:
     return None
 
 
-def plan_model(base, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], scheme: Scheme,
+def plan_model(spec, cfg, prefix: str, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], scheme: Scheme,
                where: str) -> Plan:
-    """The quantization plan of the model ``base`` (a :class:`ckptbridge.lora.Base`) whose tensors are
-    ``dtypes``/``shapes`` (HF key -> dtype code, shape; in file order). The weights of the decoder's
+    """The quantization plan of the model of family ``spec``, config ``cfg`` and key ``prefix`` whose
+    tensors are ``dtypes``/``shapes`` (HF key -> dtype code, shape; in file order). The weights of the decoder's
     linear projections (the modules LoRA can target) are quantized; every other matrix named
     ``*.weight`` that is not a table read by token id is a linear module left alone and goes to
     ``ignore``, as does ``lm_head`` (as compressed-tensors lists the unquantized linear modules)."""
     from ckptbridge import layout, mapping
     from ckptbridge.io.safetensors import DTYPES
+    from ckptbridge.lora.modules import lora_modules
 
-    spec, cfg = base.spec, base.cfg
     if spec.experts is not None and spec.experts(cfg) is not None:
         raise UnsupportedError(f"{where}: {spec.name} with mixture-of-experts layers cannot be quantized to "
                                f"{scheme.name} here (its experts are 3-D tensors, not linear modules); quantize a "
                                "dense model")
-    targets = {base.weight_key(name) for m in base.modules for name in m.hf_modules}
+    targets = {k for m in lora_modules(cfg, spec, prefix) for k in m.entry.hf_keys}
     weights = tuple(k for k in dtypes if k in targets)
     if not weights:
         raise UnsupportedError(f"{where}: no linear projection of the decoder layers found to quantize")
@@ -305,7 +310,7 @@ def plan_model(base, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]],
             raise UnsupportedError(f"{where}: {key} is {dtypes[key]}; {scheme.name} quantizes BF16, F16 or F32 "
                                    "weights: store the model as bfloat16 first")
     vocab = set(spec.vocab_axes)
-    tables = {k for e in mapping.entries(cfg, spec, base.prefix) if vocab & set(layout.axes(e.rule.hf_layout))
+    tables = {k for e in mapping.entries(cfg, spec, prefix) if vocab & set(layout.axes(e.rule.hf_layout))
               for k in e.hf_keys}
     chosen = set(weights)
     ignore = [k[: -len(".weight")] for k in dtypes

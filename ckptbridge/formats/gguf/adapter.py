@@ -1,6 +1,5 @@
-"""``convert_adapter_to_gguf``: a LoRA adapter (PEFT directory or Tunix/qwix Orbax checkpoint) ->
-a GGUF LoRA adapter, which ggml's runtimes apply to the base model's GGUF file at load time
-(``--lora FILE``, Ollama's ``ADAPTER``).
+"""GGUF LoRA: any adapter written as a GGUF LoRA adapter, which ggml's runtimes apply to the base
+model's GGUF file at load time (``--lora FILE``, Ollama's ``ADAPTER``).
 
 A GGUF LoRA holds ``<tensor>.lora_a`` (PEFT's A, ``(rank, in)``) and ``<tensor>.lora_b`` (B,
 ``(out, rank)``) per adapted tensor of the base, under the base's GGUF names and with ggml's value
@@ -24,11 +23,11 @@ import time
 
 import numpy as np
 
-from ckptbridge import hub, lora, mapping
+from ckptbridge import mapping
 from ckptbridge.errors import ConfigError, UnsupportedError
-from ckptbridge.gguf_export import GGML_QUANT_VERSION, OUTTYPES, _family, _plan, store, stored_type, title
+from ckptbridge.formats.gguf.model import GGML_QUANT_VERSION, OUTTYPES, _family, _plan, store, stored_type, title
 from ckptbridge.io import gguf
-from ckptbridge.io.atomic import check_destination
+from ckptbridge.lora.factors import AdapterRows
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.specs.ggml import interleaved_rope_rows
@@ -52,44 +51,34 @@ class GGUFAdapterReport(Report):
     def summary(self) -> str:
         how = ("each module's scale folded into its B, alpha 0 (its modules' scales differ)" if self.scales_folded
                else f"alpha {self.alpha:g}")
-        return (f"adapter-to-gguf: {self.source} -> {self.destination}\n"
+        return (f"{self.direction}: {self.source} -> {self.destination}\n"
                 f"  {self.family} as GGUF {self.architecture} LoRA, {self.outtype}: {self.modules} modules, {how}; "
                 f"{human_bytes(self.bytes)} in {self.seconds:.2f} s")
 
 
-def convert_adapter_to_gguf(adapter: str, dst: str, *, base: str, step: int | None = None,
-                            alpha: float | None = None, outtype: str = "f32", name: str | None = None,
-                            overwrite: bool = False, progress: bool | None = None,
-                            revision: str | None = None) -> GGUFAdapterReport:
-    """Write ``adapter`` (PEFT directory or Hub id, or a Tunix/qwix or MaxText LoRA checkpoint) for the
-    HF model ``base`` (its config and key names; weights are not read) as the GGUF LoRA ``dst``.
-    ``outtype``: stored type of the factors (default f32, as ggml's converter). Its base in GGUF
-    is ``convert_to_gguf(base, ...)``."""
-    t0 = time.perf_counter()
+def write(ad: AdapterRows, dst: str, req, *, outtype: str = "f32", name: str | None = None) -> GGUFAdapterReport:
+    """Write ``ad`` as the GGUF LoRA ``dst`` for its base (whose GGUF is ``convert --to gguf`` of the
+    base). ``outtype``: stored type of the factors (default f32, as ggml's converter)."""
     if outtype not in OUTTYPES:
         raise ConfigError(f"outtype (--outtype) {outtype!r}: one of {', '.join(OUTTYPES)}")
     wanted = OUTTYPES[outtype][0]
-    base = hub.local(base, hub.MODEL, revision=revision, what="base model")
-    adapter = hub.local(adapter, hub.ADAPTER, what="adapter")
-    check_destination(dst, [base, adapter], overwrite)
-    b = lora.open_base(base)
-    spec_gguf, h = _family(b.cfg, base)
+    b = ad.base
+    spec_gguf, h = _family(b.cfg, b.path)
     tensors = _plan(b.cfg, spec_gguf, mapping.entries(b.cfg, b.spec, b.prefix), lambda n, s: wanted, h)
     by_key = {k: t for t in tensors for k in t.keys}
     deltas = []
-    with lora.open_adapter(adapter, b, step=step, alpha=alpha) as ad:
-        for key, row, scale, (a, bm) in lora.hf_deltas(ad):
-            t = by_key.get(key)
-            if t is None:
-                raise UnsupportedError(f"{adapter}: LoRA on {key}, which ggml's {spec_gguf.arch} has no tensor for")
-            rows = math.prod(t.hf_shape[:-1])
-            if len(t.keys) > 1 or row != 0 or len(bm) != rows:
-                raise UnsupportedError(f"{adapter}: LoRA on rows {row}:{row + len(bm)} of {key} (one expert of a "
-                                       "stacked tensor), which a GGUF LoRA cannot express; merge it instead "
-                                       "(convert to-gguf --adapter)")
-            deltas.append((key, t, float(scale), np.asarray(a, np.float32), np.asarray(bm, np.float32)))
+    for key, row, scale, (a, bm) in ad.deltas():
+        t = by_key.get(key)
+        if t is None:
+            raise UnsupportedError(f"{ad.path}: LoRA on {key}, which ggml's {spec_gguf.arch} has no tensor for")
+        rows = math.prod(t.hf_shape[:-1])
+        if len(t.keys) > 1 or row != 0 or len(bm) != rows:
+            raise UnsupportedError(f"{ad.path}: LoRA on rows {row}:{row + len(bm)} of {key} (one expert of a "
+                                   "stacked tensor), which a GGUF LoRA cannot express; merge it instead "
+                                   "(convert BASE DST.gguf --adapter ADAPTER)")
+        deltas.append((key, t, float(scale), np.asarray(a, np.float32), np.asarray(bm, np.float32)))
     if not deltas:
-        raise UnsupportedError(f"{adapter}: no LoRA module ggml can apply")
+        raise UnsupportedError(f"{ad.path}: no LoRA module ggml can apply")
     products = [scale * len(a) for _, _, scale, a, _ in deltas]
     folded = not all(math.isclose(p, products[0], rel_tol=1e-9) for p in products)
     lora_alpha = 0.0 if folded else _alpha(ad, products[0])
@@ -105,17 +94,17 @@ def convert_adapter_to_gguf(adapter: str, dst: str, *, base: str, step: int | No
             planned.append(gguf.PlannedTensor(n, values.shape, kind, functools.partial(store, values, kind)))
     metadata = {"general.architecture": gguf.string(spec_gguf.arch), "general.type": gguf.string("adapter"),
                 "adapter.type": gguf.string("lora"),
-                "general.name": gguf.string(name or title(os.path.basename(os.path.normpath(adapter)))),
+                "general.name": gguf.string(name or title(os.path.basename(os.path.normpath(req.source)))),
                 "adapter.lora.alpha": gguf.f32(lora_alpha),
                 "general.quantization_version": gguf.u32(GGML_QUANT_VERSION)}
-    bar = Progress(sum(p.nbytes for p in planned), "adapter to gguf", enabled=progress)
-    size = gguf.write_gguf(dst, metadata, planned, overwrite=overwrite, sources=[base, adapter],
+    bar = Progress(sum(p.nbytes for p in planned), req.desc, enabled=req.progress)
+    size = gguf.write_gguf(dst, metadata, planned, overwrite=req.overwrite, sources=[b.path, req.source],
                            on_written=bar.update)
     bar.close()
-    return GGUFAdapterReport(direction="adapter-to-gguf", source=adapter, base=base, destination=dst,
+    return GGUFAdapterReport(direction=req.direction, source=req.source, base=b.path, destination=dst,
                              family=b.cfg.family, architecture=spec_gguf.arch, outtype=outtype, modules=len(deltas),
                              alpha=lora_alpha, scales_folded=folded, bytes=size,
-                             seconds=round(time.perf_counter() - t0, 3))
+                             seconds=round(time.perf_counter() - req.t0, 3))
 
 
 def _alpha(ad, product: float) -> float:
@@ -127,4 +116,4 @@ def _alpha(ad, product: float) -> float:
     return product
 
 
-__all__ = ["GGUFAdapterReport", "convert_adapter_to_gguf"]
+__all__ = ["GGUFAdapterReport", "write"]
