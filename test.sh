@@ -2,10 +2,13 @@
 # The test suite: set up, then run pytest. Extra arguments go to pytest.
 #   ./test.sh [ARGS]              the whole suite in .venv (the pinned versions)
 #   ./test.sh --floor [ARGS]      the suite in .venv-floor (every dependency at the floor pyproject.toml
-#                                 declares), vLLM from .venv-serve-floor; without the main job and the
-#                                 per-family serving runs (the code paths the other tests take, one vLLM
-#                                 start each), the tests that build environments of their own, and the
-#                                 comparisons with ggml's converters
+#                                 declares), vLLM from .venv-serve-floor: what the floors can break
+#                                 (readers, writers, Tunix, training, serving starts); without the main
+#                                 job and the per-family serving runs (the code paths the other tests
+#                                 take, one vLLM start each), the tests that build environments of their
+#                                 own, the comparisons with ggml's converters, the JSON goldens (our
+#                                 output, not the dependencies'), and with the format matrix on one
+#                                 family (every reader and writer; the families once, at the pins)
 #   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, which
 #                                 scripts/setup.sh --newest builds anew)
 #   ./test.sh --lint              ruff (ckptbridge/, configured in pyproject.toml), mypy (ckptbridge/) and the
@@ -29,6 +32,7 @@ if [ "${1:-}" = "--floor" ]; then
   shift
   venv=.venv-floor
   export CKPTBRIDGE_SERVE_PYTHON="$PWD/.venv-serve-floor/bin/python"
+  export CKPTBRIDGE_FLOOR=1
 elif [ "${1:-}" = "--env" ]; then
   venv="${2:?--env needs a virtual environment}"
   shift 2
@@ -41,7 +45,7 @@ if [ "$venv" != .venv ]; then
   # files, at the pinned versions; at the floors test_gguf.py covers the GGUF reader, writer and Q8_0.
   select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py --ignore=tests/test_quantize_reference.py
           --ignore=tests/test_packaging.py --ignore=tests/test_environments.py --ignore=tests/test_gcs.py
-          --ignore=tests/test_gguf_export.py)
+          --ignore=tests/test_gguf_export.py --ignore=tests/test_json_golden.py)
 fi
 scripts/setup.sh
 if [ ! -x "$venv/bin/python" ]; then

@@ -16,7 +16,7 @@ from ckptbridge.formats.qwix import is_lora_a, is_lora_leaf
 from ckptbridge.report import Report
 from ckptbridge.specs import get_family, parse_config
 
-SUMMARY_ORDER = ("architecture", "name", "gguf_version", "adapter_type", "block_count", "context_length",
+SUMMARY_ORDER = ("format", "architecture", "name", "gguf_version", "adapter_type", "block_count", "context_length",
                  "tokenizer", "vocab", "chat_template", "tensor_types", "family", "model_type", "config_dialect",
                  "key_prefix", "layers", "layer_kinds", "towers",
                  "tunix_mismatch", "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora",
@@ -27,6 +27,8 @@ SUMMARY_ORDER = ("architecture", "name", "gguf_version", "adapter_type", "block_
 
 class Info(Report):
     """What ``inspect`` says of a path; ``summary()`` is one line per field that holds something."""
+
+    kind: str
 
     def summary(self) -> str:
         info = self.to_json()
@@ -47,7 +49,7 @@ class Info(Report):
 
 @dataclasses.dataclass(frozen=True)
 class HFModelInfo(Info):
-    OMIT_NONE = ("key_prefix", "problem", "quantization")
+    OMIT_NONE = ("format", "key_prefix", "problem", "quantization")
 
     kind: str
     path: str
@@ -66,11 +68,12 @@ class HFModelInfo(Info):
     valid: bool
     problem: str | None
     quantization: str | None = None  # how a quantized model is stored
+    format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
 
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxInfo(Info):
-    OMIT_NONE = ("family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext")
+    OMIT_NONE = ("format", "family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext")
 
     kind: str
     path: str
@@ -85,12 +88,13 @@ class OrbaxInfo(Info):
     tunix_mismatch: list[str] | None = None
     lora_ranks: dict[str, int] | None = None
     maxtext: dict | None = None  # a MaxText checkpoint's tree, scan_layers and LoRA (formats.maxtext.model.describe)
+    format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
 
 
 @dataclasses.dataclass(frozen=True)
 class PeftInfo(Info):
-    OMIT_NONE = ("rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "modules_to_save", "ckptbridge", "tensors",
-                 "parameters", "dtypes")
+    OMIT_NONE = ("format", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "modules_to_save", "ckptbridge",
+                 "tensors", "parameters", "dtypes")
 
     kind: str
     path: str
@@ -108,21 +112,25 @@ class PeftInfo(Info):
     tensors: int | None = None
     parameters: int | None = None
     dtypes: dict[str, int] | None = None
+    format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
 
 
 @dataclasses.dataclass(frozen=True)
 class SafetensorsInfo(Info):
+    OMIT_NONE = ("format",)
+
     kind: str
     path: str
     tensors: int
     parameters: int
     dtypes: dict[str, int]
     metadata: dict | None
+    format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
 
 
 @dataclasses.dataclass(frozen=True)
 class GGUFInfo(Info):
-    OMIT_NONE = ("name", "adapter_type", "lora_alpha", "block_count", "context_length", "tokenizer", "vocab")
+    OMIT_NONE = ("format", "name", "adapter_type", "lora_alpha", "block_count", "context_length", "tokenizer", "vocab")
 
     kind: str  # gguf-model or gguf-adapter (general.type)
     path: str
@@ -140,6 +148,7 @@ class GGUFInfo(Info):
     context_length: int | None = None
     tokenizer: str | None = None  # tokenizer.ggml.model (e.g. gpt2 for BPE)
     vocab: int | None = None
+    format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
 
 
 def _inspect_gguf(path: str) -> GGUFInfo:
@@ -241,13 +250,31 @@ def _inspect_peft(path: str) -> PeftInfo:
 
 
 def inspect_path(path: str, step: int | None = None, *, revision: str | None = None) -> Info:
-    """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, PEFT adapter, safetensors or GGUF
-    file) and summarise it; an
-    Orbax checkpoint may be on Cloud Storage (``gs://``), a model a Hub id (at ``revision``)."""
+    """Identify ``path`` (HF model, Orbax weights, Orbax LoRA, MaxText, PEFT adapter, safetensors or
+    GGUF file) and summarise it, with its ``format`` as ``convert`` finds it (the registry's
+    detection; None for what convert does not read); an Orbax checkpoint may be on Cloud Storage
+    (``gs://``), a model a Hub id (at ``revision``)."""
     from ckptbridge import hub
-    from ckptbridge.io import storage
 
     path = hub.local(path, hub.MODEL, revision=revision)
+    info = _inspect(path, step)
+    return dataclasses.replace(info, format=_format(path, step, info.kind))  # type: ignore[call-arg]
+
+
+def _format(path: str, step: int | None, kind: str) -> str | None:
+    from ckptbridge import formats
+    from ckptbridge.errors import CkptBridgeError
+
+    if kind == "gguf-adapter":
+        return "gguf-lora"
+    try:
+        return formats.detect(path, step).name
+    except CkptBridgeError:
+        return None
+
+
+def _inspect(path: str, step: int | None) -> Info:
+    from ckptbridge.io import storage
 
     if storage.is_remote(path):
         return _inspect_orbax(path, step)

@@ -60,14 +60,9 @@ class Merged(ModelRows):
         self.inner, self.deltas = inner, deltas
         self.format, self.path = inner.format, inner.path
         self.cfg, self.spec, self.prefix, self.entries = inner.cfg, inner.spec, inner.prefix, inner.entries
-        self.towers_dropped = inner.towers_dropped
+        self.towers_dropped, self.scan_layers = inner.towers_dropped, inner.scan_layers
         self.row_addressable = inner.row_addressable
         self.merged_keys = list(deltas)
-
-    def __getattr__(self, name: str):  # what a format's source says of itself (scan_layers, text_only, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def _add(self, key: str, start: int, values: np.ndarray) -> np.ndarray:
         found = self.deltas.get(key)

@@ -26,6 +26,7 @@ import numpy as np
 
 from ckptbridge import mapping
 from ckptbridge.config import ModelConfig, read_config_file
+from ckptbridge.io.files import Opened
 from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.specs import FamilySpec
@@ -99,7 +100,7 @@ class HFPlan:
     jobs: Iterable[Job]
 
 
-class ModelRows:
+class ModelRows(Opened):
     """A model source: the rows of its family (``entries``) over files of some format.
 
     A format implements :meth:`dtype` and :meth:`arrays` (every HF tensor of a row), and where it
@@ -117,6 +118,7 @@ class ModelRows:
     towers_dropped = 0  # vision/audio tensors left out (an HF source opened with skip_multimodal)
     row_addressable = False  # whether key_rows reads runs of rows of one HF tensor on its own
     merged_keys: Collection[str] = ()  # HF keys an adapter was merged into (a stage's rows)
+    scan_layers: bool | None = None  # a MaxText source's layout (reports say it)
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         raise NotImplementedError
@@ -229,15 +231,6 @@ class ModelRows:
             config_dialect=self.cfg.dialect, towers_dropped=self.towers_dropped,
             assets=found[0] if found else [], source=_absolute(self.path), tunix_version=tunix_version,
         ).to_json()}
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _absolute(path: str) -> str:

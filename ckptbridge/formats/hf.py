@@ -29,7 +29,7 @@ from ckptbridge.io.files import close_on_error
 from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, dtype_code, numpy_dtype
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.rows import ConversionReport, HFPlan, HFTensor, ModelRows, Part, layer_note, matrix_rows, more
+from ckptbridge.rows import ConversionReport, HFPlan, HFTensor, ModelRows, Part, Request, layer_note, matrix_rows, more
 from ckptbridge.specs import FamilySpec, family_for
 from ckptbridge.stream import Job, Parts, Stream
 
@@ -350,7 +350,7 @@ def _named(make) -> list[tuple[str, object]]:
     return [(key, value) for key, _, value in make()]
 
 
-def write(rows: ModelRows, dst: str, req, *, max_shard_size: str | int = options.DEFAULT_MAX_SHARD_SIZE,
+def write(rows: ModelRows, dst: str, req: Request, *, max_shard_size: str | int = options.DEFAULT_MAX_SHARD_SIZE,
           quantize: str | None = None, base_id: str | None = None) -> Report:
     """Write ``rows`` as the HF model directory ``dst``: every HF tensor of the source's plan
     (:meth:`~ckptbridge.rows.ModelRows.hf_plan`), ``quantize`` (``"int8"``, ``"fp8"``) quantizing
@@ -408,7 +408,7 @@ def write(rows: ModelRows, dst: str, req, *, max_shard_size: str | int = options
         direction=req.direction, source=req.source, destination=dst, family=rows.spec.name, key_prefix=rows.prefix,
         layer_kinds=rows.cfg.layer_kinds(), tensors=len(planned), bytes=total, files=files, config_mismatch=mismatch,
         seconds=seconds, quantized=qplan.scheme.name if qplan else None,
-        quantized_tensors=len(qplan.weights) if qplan else None, scan_layers=getattr(rows, "scan_layers", None))
+        quantized_tensors=len(qplan.weights) if qplan else None, scan_layers=rows.scan_layers)
 
 
 def _card(rows: ModelRows, req, base_id: str | None, qplan, merged: int) -> str | None:

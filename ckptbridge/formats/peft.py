@@ -44,6 +44,7 @@ from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.options import TARGETS
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
+from ckptbridge.rows import Request
 from ckptbridge.stream import Parts
 
 NAME = "peft"
@@ -552,7 +553,8 @@ def _peft_parts(read, by_source: dict, pad_to: int | None, fold_scale: float | N
     return parts
 
 
-def write(ad: AdapterRows, dst: str, req, *, target: str = "hf", base_id: str | None = None) -> PeftExportReport:
+def write(ad: AdapterRows, dst: str, req: Request, *, target: str = "hf",
+          base_id: str | None = None) -> PeftExportReport:
     """Write ``ad`` as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors`` + a
     model card ``README.md``). ``target="vllm"`` also writes, on k_eq_v layers, the k_proj factors
     as v_proj (vLLM applies V's LoRA separately) and makes rank/alpha uniform (vLLM ignores

@@ -33,6 +33,7 @@ from ckptbridge.rows import (
     HELD_PER_BYTE,
     ConversionReport,
     ModelRows,
+    Request,
     config_from_option,
     layer_note,
     more,
@@ -291,16 +292,13 @@ def leaf(rows: ModelRows, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyAr
                               held=HELD_PER_BYTE)
 
 
-def write(rows: ModelRows, dst: str, req, *, tunix_version: str | None = None,
+def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None = None,
           compression: bool = True) -> ToTunixReport:
     """Write ``rows`` as an Orbax checkpoint of the Tunix state at ``dst``: the layouts of Tunix
     ``tunix_version`` (default: the installed google-tunix; without one, the layouts the specs
     were written against), recorded in the metadata with the HF config; the non-weight files under
     ``hf_assets/``. ``compression=False`` stores the chunks without zstd (faster, larger)."""
     deps.require("orbax")
-    text_only = getattr(rows, "text_only", None)
-    if text_only is not None:
-        text_only()
     target = target_tunix_version(tunix_version)
     mismatch = specs.note_mismatch(rows.cfg)
     flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in mapping.for_tunix_version(rows.entries, target)}
@@ -320,7 +318,7 @@ def write(rows: ModelRows, dst: str, req, *, tunix_version: str | None = None,
         layer_kinds=rows.cfg.layer_kinds(), tensors=len(flat), bytes=total, towers_dropped=rows.towers_dropped,
         tunix_version=target, chunk_bytes=req.chunk_bytes, compression=compression, orbax_writer=writer,
         config_mismatch=mismatch, seconds=round(time.perf_counter() - req.t0, 3),
-        scan_layers=getattr(rows, "scan_layers", None), adapters=list(req.adapters) or None)
+        scan_layers=rows.scan_layers, adapters=list(req.adapters) or None)
 
 
 __all__ = ["TunixSource", "ToTunixReport", "detect", "leaf", "open_orbax_source", "open_source", "stored_assets",

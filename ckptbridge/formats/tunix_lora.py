@@ -36,6 +36,7 @@ from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_versio
 from ckptbridge.options import KV_MODES
 from ckptbridge.progress import progress_over
 from ckptbridge.report import Report, human_bytes
+from ckptbridge.rows import Request
 from ckptbridge.stream import Shared
 
 NAME = "tunix-lora"
@@ -307,7 +308,7 @@ def no_expert_lora(ad: AdapterRows, why: str) -> None:
                                f"{why}; merge the adapter into the base instead (ckptbridge merge)")
 
 
-def write(ad: AdapterRows, dst: str, req, *, kv: str = "exact", save_step: int = 0) -> OrbaxLoraReport:
+def write(ad: AdapterRows, dst: str, req: Request, *, kv: str = "exact", save_step: int = 0) -> OrbaxLoraReport:
     """Write ``ad`` as the Tunix checkpoint root ``dst/<save_step>/model_params`` with the qwix rules
     that rebuild the matching LoRA model in the step's custom metadata; ``kv``: how HF modules of
     one fused module with different A's are joined (:func:`_plan_module`). Modules are converted on

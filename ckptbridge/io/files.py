@@ -1,4 +1,5 @@
-"""Small file helpers every reader shares: one JSON-object reader, one close-on-error guard."""
+"""Small file helpers every reader shares: one JSON-object reader, one close-on-error guard, one
+base for what is opened and closed (a context manager)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ class Closeable(Protocol):
 
 
 C = TypeVar("C", bound=Closeable)
+
+
+class Opened:
+    """Something opened that :meth:`close` releases; ``with`` closes it."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_json_object(path: str, fix: str, *, read: Callable[[str], bytes] | None = None,

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptbridge.io.files import Opened
 from ckptbridge.lora.base import Base
 from ckptbridge.lora.modules import LoraModule, Scaling, in_batches
 
@@ -26,7 +27,7 @@ Target = tuple[LoraModule, int]  # a LoRA module and the index of one of its HF 
 BATCH_BYTES = 32 << 20  # factors per read batch (a piece of the engine)
 
 
-class AdapterRows:
+class AdapterRows(Opened):
     """An adapter validated against its base: the HF modules it adapts (:meth:`names`, in the
     base's order), each module's :class:`Scaling`, dtype and PEFT pair."""
 
@@ -81,15 +82,6 @@ class AdapterRows:
         for _, read in self.reads():
             for name, pair in read().items():
                 yield self.base.weight_key(name), 0, self.scaling_of(name).scale, pair
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class ModuleLora(AdapterRows):

@@ -30,6 +30,7 @@ from ckptbridge.io import gguf
 from ckptbridge.lora.factors import AdapterRows
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
+from ckptbridge.rows import Request
 from ckptbridge.specs.ggml import interleaved_rope_rows
 
 
@@ -56,7 +57,8 @@ class GGUFAdapterReport(Report):
                 f"{human_bytes(self.bytes)} in {self.seconds:.2f} s")
 
 
-def write(ad: AdapterRows, dst: str, req, *, outtype: str = "f32", name: str | None = None) -> GGUFAdapterReport:
+def write(ad: AdapterRows, dst: str, req: Request, *, outtype: str = "f32",
+          name: str | None = None) -> GGUFAdapterReport:
     """Write ``ad`` as the GGUF LoRA ``dst`` for its base (whose GGUF is ``convert --to gguf`` of the
     base). ``outtype``: stored type of the factors (default f32, as ggml's converter)."""
     if outtype not in OUTTYPES:

@@ -33,7 +33,7 @@ from ckptbridge.formats.gguf.tokenizer import tokenizer_metadata
 from ckptbridge.io import gguf, storage
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.rows import HELD_PER_BYTE, ModelRows, matrix_rows
+from ckptbridge.rows import HELD_PER_BYTE, ModelRows, Request, matrix_rows
 from ckptbridge.specs.ggml import (
     FILE_TYPE,
     PRE_TOKENIZERS,
@@ -375,7 +375,7 @@ def outtype_of(outtype: str, rows: ModelRows) -> str:
     return outtype
 
 
-def write(rows: ModelRows, dst: str, req, *, outtype: str = "bf16", tokenizer: bool = True,
+def write(rows: ModelRows, dst: str, req: Request, *, outtype: str = "bf16", tokenizer: bool = True,
           name: str | None = None) -> GGUFReport:
     """Write ``rows`` as the GGUF file ``dst``. ``outtype``: the stored type of the weights (``f32``,
     ``f16``, ``bf16``, ``q8_0``; ``auto``: the source's). ``tokenizer``: include the tokenizer and

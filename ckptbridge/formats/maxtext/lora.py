@@ -39,7 +39,7 @@ from ckptbridge.lora.modules import LoraModule, Scaling, in_batches, plain_numbe
 from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.progress import progress_over
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.rows import more
+from ckptbridge.rows import Request, more
 from ckptbridge.stream import Shared
 
 NAME = "maxtext-lora"
@@ -324,7 +324,7 @@ class MaxTextLoraReport(Report):
         return text + "".join(f"\n  warning: {w}" for w in self.warnings)
 
 
-def write(ad: AdapterRows, dst: str, req, *, scan_layers: bool = False,
+def write(ad: AdapterRows, dst: str, req: Request, *, scan_layers: bool = False,
           compression: bool = True) -> MaxTextLoraReport:
     """Write ``ad`` as the MaxText LoRA checkpoint ``dst/0/items`` (``kernel_lora_a`` = ``lora_A``
     transposed, ``kernel_lora_b`` = ``lora_B`` transposed with the kernel's value transforms, as

@@ -43,6 +43,7 @@ from ckptbridge.rows import (
     HFTensor,
     ModelRows,
     Part,
+    Request,
     config_from_option,
     more,
     per_block,
@@ -235,6 +236,7 @@ class MaxTextSource(ModelRows):
         self.ckpt, self.cfg, self.spec, self.prefix, self.entries = ckpt, cfg, spec, prefix, entries
         self.path = ckpt.path
         self.leaves, self.tree = leaves, tree
+        self.scan_layers = tree.scanned
         self.config_dir = config_dir  # where non-weight files come from when not stored with the checkpoint
         self.units = _units(self)
         self._where: dict[tuple, tuple[list[Leaf], int]] = {}
@@ -243,10 +245,6 @@ class MaxTextSource(ModelRows):
                 self._where[(e.rule.name, e.layer.index if e.layer else None)] = (unit, pos)
         others = Counter(self.leaf_dtype(x) for x in leaves if not _widened(self, x))
         self._model_dtype = others.most_common(1)[0][0] if others else np.dtype(np.float32)
-
-    @property
-    def scan_layers(self) -> bool:
-        return self.tree.scanned
 
     def leaf_path(self, leaf: Leaf) -> tuple[str, ...]:
         return self.tree.stored[leaf.path]
@@ -560,7 +558,7 @@ class ToMaxTextReport(ConversionReport):
         return text
 
 
-def write(rows: ModelRows, dst: str, req, *, scan_layers: bool = False, vocab_size: int | None = None,
+def write(rows: ModelRows, dst: str, req: Request, *, scan_layers: bool = False, vocab_size: int | None = None,
           compression: bool = True) -> ToMaxTextReport:
     """Write ``rows`` as the MaxText checkpoint ``dst/0/items``: what MaxText's ``to_maxtext``
     writes for the same model (same tree, shapes and value transforms, in the source dtype as its
@@ -572,9 +570,6 @@ def write(rows: ModelRows, dst: str, req, *, scan_layers: bool = False, vocab_si
     (default: what its published configs use for the model's, from the family's spec; otherwise
     the model's own)."""
     deps.require("orbax")
-    text_only = getattr(rows, "text_only", None)
-    if text_only is not None:
-        text_only()
     specs.note_mismatch(rows.cfg)
     spec = maxtext_spec(rows.spec, rows.path)
     leaves = maxtext_layout.plan(rows.entries, spec, scan_layers, rows.cfg.flags, vocab=vocab_size)
