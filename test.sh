@@ -7,8 +7,11 @@
 #                                 job and the per-family serving runs (the code paths the other tests
 #                                 take, one vLLM start each), the tests that build environments of their
 #                                 own, the comparisons with ggml's converters, the JSON goldens (our
-#                                 output, not the dependencies'), and with the format matrix on one
-#                                 family (every reader and writer; the families once, at the pins)
+#                                 output, not the dependencies'), the tests marked pinned_only
+#                                 (ckptbridge's own memory, kill safety, errors, command line and
+#                                 watch loop), with the format matrix on one family (every reader and
+#                                 writer; the families once, at the pins), and the checks through
+#                                 Tunix, transformers and PEFT on one row each (tests/families.py)
 #   ./test.sh --env VENV [ARGS]   the same selection in another environment (e.g. .venv-newest, which
 #                                 scripts/setup.sh --newest builds anew)
 #   ./test.sh --lint              ruff (ckptbridge/, configured in pyproject.toml), mypy (ckptbridge/) and the
@@ -45,7 +48,7 @@ if [ "$venv" != .venv ]; then
   # files, at the pinned versions; at the floors test_gguf.py covers the GGUF reader, writer and Q8_0.
   select=(--ignore=tests/test_pipeline.py --ignore=tests/test_serving_families.py --ignore=tests/test_quantize_reference.py
           --ignore=tests/test_packaging.py --ignore=tests/test_environments.py --ignore=tests/test_gcs.py
-          --ignore=tests/test_gguf_export.py --ignore=tests/test_json_golden.py)
+          --ignore=tests/test_gguf_export.py --ignore=tests/test_json_golden.py -m "not pinned_only")
 fi
 scripts/setup.sh
 if [ ! -x "$venv/bin/python" ]; then

@@ -66,8 +66,9 @@ MODELS = {
 
 
 def measure(what: str, src: str, dst: str, *extra: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", DRIVER, what, src, dst, *extra], check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", DRIVER, what, src, dst, *extra], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{what} {src} -> {dst} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -164,10 +165,14 @@ def main() -> None:
             t = time.perf_counter()
             subprocess.run(["cp", "-r", hf, hf + ".cp"], check=True)
             cp_s = time.perf_counter() - t
+            shutil.rmtree(hf + ".cp")  # each output is removed once measured: the disk holds two models at most
             s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"), convert)
             o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"), convert)
+            for name in (f"orbax{n}", f"back{n}"):
+                shutil.rmtree(os.path.join(tmp, name))
             adapter = write_random_adapter(hf, os.path.join(tmp, f"adapter{n}"), r=16)
             merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), json.dumps({**budget, "adapter": adapter}))
+            shutil.rmtree(os.path.join(tmp, f"merged{n}"))
             extra = {}
             if args.quantize:
                 mq = measure("merge", hf, os.path.join(tmp, f"mergedq{n}"),
@@ -179,9 +184,8 @@ def main() -> None:
                          "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
                          "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"],
                          "merge_s": merge["seconds"], "merge_peak_rss_mb": merge["peak_rss_mb"]})
-            for name in (f"orbax{n}", f"back{n}", f"adapter{n}", f"merged{n}", f"hf{n}"):
+            for name in (f"adapter{n}", f"hf{n}"):
                 shutil.rmtree(os.path.join(tmp, name))
-            shutil.rmtree(hf + ".cp")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -159,6 +159,9 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
         raise ConfigError("--to compressed-tensors: say the scheme with --quantize int8|fp8")
     if fmt.kind == ADAPTER and adapters:
         raise ConfigError(f"{src}: an adapter; --adapter merges adapters into a model")
+    if fmt.kind == MODEL and base is not None:
+        raise ConfigError(f"{src}: a {fmt.name} model; --base names the HF base of an adapter SRC: drop it (adapters "
+                          "merged into the model go with --adapter)")
     _check_applies(opts, fmt, dest, bool(adapters))
     if adapters:
         adapters = [_local(a, hub.ADAPTER, None, "adapter") for a in adapters]
@@ -201,8 +204,9 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
         return dest.write(rows, dst, req, **write_opts)
 
 
-def _request(src, dst, fmt: Format, dest: Format, engine, chunk_bytes, chunked, overwrite, progress, direction, desc,
-             adapters, step, t0):
+def _request(src: str, dst: str, fmt: Format, dest: Format, engine: Engine, chunk_bytes: int, chunked: bool,
+             overwrite: bool, progress: bool | None, direction: str | None, desc: str | None, adapters: list[str],
+             step: int | None, t0: float):
     from ckptbridge.rows import Request
 
     return Request(source=src, destination=dst, direction=direction or f"{fmt.name}-to-{dest.name}", engine=engine,

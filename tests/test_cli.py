@@ -9,6 +9,8 @@ import pytest
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.pinned_only  # the command line is ckptbridge's own
+
 
 def test_help_for_every_verb():
     for args in (["--help"], ["convert", "--help"], ["convert", "safetensors-to-orbax", "--help"],

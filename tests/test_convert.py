@@ -150,6 +150,7 @@ def test_bad_input_is_one_line_and_writes_nothing(checkpoints, tmp_path):
     _refused([gg, dst, "--to", "hf"], 8, gg, "--config")
     _refused([truncated, dst, "--to", "hf", "--config", src], 4, truncated, "truncated")
     _refused([src, dst, "--to", "tunix", "--adapter", src], 8, src, "not an adapter")
+    _refused([src, dst, "--to", "tunix", "--base", src, "--adapter", src], 8, src, "--base", "drop it")
     assert not os.path.exists(dst)
     assert not [n for n in os.listdir(tmp_path) if ".ckptbridge-tmp-" in n]
     with pytest.raises(ConfigError, match="scan_layer: not an option of convert"):

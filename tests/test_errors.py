@@ -11,6 +11,8 @@ from ckptbridge.io.safetensors import PlannedTensor, SafetensorsFile, write_file
 
 from conftest import run_cli, tree_hash
 
+pytestmark = pytest.mark.pinned_only  # ckptbridge's own error paths
+
 
 def copy_of(checkpoints, tmp_path, case="keqv_text_bf16_single"):
     dst = tmp_path / "src"

@@ -161,6 +161,7 @@ def test_gemma3_newer_writers_prefix(checkpoints, tmp_path):
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),  # Llama 3.1 8B
     ("qwen3", {"rope_type": "default", "rope_theta": 5_000_000.0}),  # Qwen3-4B-2507
 ])
+@pytest.mark.pinned_only  # Tunix is the same release at the floors
 def test_config_tunix_cannot_compute(tmp_path, family, rope):
     """Files convert bit-exact, saying in one line what Tunix computes differently; building the
     Tunix model (verify logits, training) refuses unless allowed, then the gap is measured."""

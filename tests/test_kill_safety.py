@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.pinned_only]
 TRIALS = 12  # per verb (two verbs: 24 kills in all)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.pinned_only]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

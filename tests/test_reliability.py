@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_cli, tree_hash
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.pinned_only]
 
 
 @pytest.fixture(scope="module")

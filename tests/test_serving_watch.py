@@ -136,6 +136,7 @@ def _rows(out):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned_only
 def test_watch_scores_every_checkpoint_of_a_run_as_it_lands(tmp_path):
     import signal
     import subprocess
@@ -224,6 +225,7 @@ def test_watch_refuses_what_is_not_a_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned_only
 def test_a_server_that_goes_away_is_one_line_and_exit_9(adapters, tmp_path):
     import shutil
     import subprocess

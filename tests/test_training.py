@@ -257,6 +257,7 @@ def test_loss_in_chunks_equals_the_plain_loss(base, tokenizer):
         assert np.linalg.norm(grads - grads0) <= 1e-6 * np.linalg.norm(grads0), chunk
 
 
+@pytest.mark.pinned_only
 def test_loss_in_chunks_memory_does_not_grow_with_vocab_times_sequence(tmp_path):
     """XLA's own figure for the compiled loss-and-gradient program (temporary buffers): doubling a
     wide vocab adds at least one batch x sequence x vocab float32 array to the plain form, and
@@ -320,6 +321,7 @@ def step_memory(layers: int, *overrides: str, width: dict | None = None) -> dict
 
 
 @pytest.mark.slow
+@pytest.mark.pinned_only
 def test_memory_of_one_decoder_layer_at_31b_width():
     """At Gemma 4 31B's width and 3072 tokens (rank 64 on every projection), from XLA's memory
     analysis of the compiled grad step (no weight allocated): under remat=decoder each added
@@ -562,6 +564,7 @@ def test_one_compile_per_run_with_the_31b_recipe(base, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned_only
 def test_kills_resume_and_export(base, tokenizer, tmp_path):
     """Loss falls over a full run. A run with a checkpoint every step, SIGKILLed three times right
     after a step's metrics line (inside the save that follows) or mid-step: every resume restores a

@@ -17,6 +17,8 @@ import importlib
 import os
 from typing import Any
 
+from ckptbridge import options
+
 MODEL, ADAPTER = "model", "adapter"
 
 
@@ -36,6 +38,17 @@ class Option:
     @property
     def cli(self) -> str:
         return self.flag or "--" + self.name.replace("_", "-")
+
+    def add_to(self, parser) -> None:
+        """This option as an argument of the argparse ``parser``."""
+        if self.kind == "flag":
+            parser.add_argument(self.cli, dest=self.name, action="store_const",
+                                const=not self.default if self.default else True, default=None, help=self.help)
+            return
+        kind = {"int": int, "float": float}.get(self.kind, str)
+        default = f" (default {self.default})" if self.default is not None else ""
+        parser.add_argument(self.cli, dest=self.name, type=kind, choices=self.choices, metavar=self.metavar,
+                            help=self.help + default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +93,8 @@ class Format:
         return fn(spec, cfg, **options) if fn is not None else {}
 
 
-SCHEMES = ("int8", "fp8")
-OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+SCHEMES = options.QUANT_SCHEMES
+OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")  # the GGUF writer's (formats.gguf.model.OUTTYPES) and auto
 
 OPTIONS: dict[str, Option] = {o.name: o for o in (
     # reading
@@ -96,7 +109,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("alpha", "LoRA alpha of a Tunix or MaxText LoRA checkpoint that does not record it (scale = alpha / "
            "rank)", "float"),
     # writing
-    Option("max_shard_size", "largest safetensors shard (units B, KB, MB, GB, KiB, MiB, GiB)", "size", "5GB",
+    Option("max_shard_size", "largest safetensors shard (units B, KB, MB, GB, KiB, MiB, GiB)", "size",
+           options.DEFAULT_MAX_SHARD_SIZE,
            metavar="SIZE"),
     Option("quantize", "int8: W8A8 (int8 weights, one scale per output channel, int8 activations per token at run "
            "time: vLLM on x86 CPUs, TPUs, GPUs); fp8: FP8_DYNAMIC (float8 e4m3 weights: Hopper/Ada GPUs). "
@@ -118,20 +132,20 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("tokenizer", "write no tokenizer into the GGUF file", "flag", True, flag="--no-tokenizer"),
     Option("name", "general.name of a GGUF file (default: the source directory's name)"),
     Option("target", "hf: for transformers/PEFT; vllm: also repeat k_proj LoRA as v_proj on k_eq_v layers and "
-           "make rank/alpha uniform", default="hf", choices=("hf", "vllm")),
+           "make rank/alpha uniform", default="hf", choices=options.TARGETS),
     Option("kv", "k/v with different lora_A: exact stacks them at rank r_k + r_v; svd keeps rank r with the "
-           "best shared A and reports the error", default="exact", choices=("exact", "svd")),
-    Option("save_step", "step number a Tunix LoRA checkpoint is written at (default 0)", "int", 0, metavar="N"),
+           "best shared A and reports the error", default="exact", choices=options.KV_MODES),
+    Option("save_step", "step number a Tunix LoRA checkpoint is written at", "int", 0, metavar="N"),
 )}
 
 # Options of every conversion (the streaming engine's), never refused
 COMMON = (
     Option("chunk_size", "a tensor larger than this is moved in row blocks of at most this size (an Orbax chunk "
-           "each); memory is a few of them", "size", "32MiB", metavar="SIZE"),
+           "each); memory is a few of them", "size", options.DEFAULT_CHUNK_SIZE, metavar="SIZE"),
     Option("workers", "threads that read, compute and write ahead (default: the usable cores, at most 4 where "
            "Orbax is read or written; the output does not depend on it)", "int", metavar="N"),
     Option("memory_budget", "bytes of pieces read, computed or being written at once, over all workers (peak "
-           "memory within 1.5 GB at 31B scale)", "size", "256MiB", metavar="SIZE"),
+           "memory within 1.5 GB at 31B scale)", "size", options.DEFAULT_MEMORY_BUDGET, metavar="SIZE"),
     Option("revision", "branch, tag or commit of the model when it is a Hub id (default: main; ORG/NAME@REV works "
            "for any Hub id)", metavar="REV"),
 )
