@@ -6,6 +6,7 @@
     ckptbridge quantize SRC DST --scheme int8|fp8
     ckptbridge inspect PATH [--json]
     ckptbridge verify logits|quantized|tensors|gguf|adapter|served ...
+    ckptbridge adapter combine|resize|extract ...
     ckptbridge env [--json]
 
 Every option of ``convert`` is a format's (``ckptbridge formats`` says whose); one the conversion's
@@ -98,17 +99,9 @@ def emit(args, report) -> None:
 
 
 def _add_option(sp, opt: formats.Option, seen: set[str]) -> None:
-    if opt.cli in seen:
-        return
-    seen.add(opt.cli)
-    if opt.kind == "flag":
-        sp.add_argument(opt.cli, dest=opt.name, action="store_const", const=not opt.default if opt.default else True,
-                        default=None, help=opt.help)
-        return
-    kind = {"int": int, "float": float}.get(opt.kind, str)
-    default = f" (default {opt.default})" if opt.default is not None else ""
-    sp.add_argument(opt.cli, dest=opt.name, type=kind, choices=opt.choices, metavar=opt.metavar,
-                    help=opt.help + default)
+    if opt.cli not in seen:
+        seen.add(opt.cli)
+        opt.add_to(sp)
 
 
 def _options_of(names, sp, seen: set[str]) -> None:
@@ -241,6 +234,7 @@ def cmd_env(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ckptbridge.cli_adapter import add_adapter
     from ckptbridge.cli_verify import add_verify
 
     p = argparse.ArgumentParser(prog="ckptbridge", epilog=EPILOG, description="Convert LLM checkpoints and LoRA "
@@ -265,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--json", action="store_true", help="print the report as JSON")
     ip.set_defaults(func=cmd_inspect, extra=None)
     add_verify(sub)
+    add_adapter(sub)
     ep = sub.add_parser("env", help="this environment, for bug reports", epilog=EPILOG,
                         description="Print what a bug report needs: Python, platform, CPUs, memory, the version of "
                         "every package ckptbridge uses against its supported range, which extras and verbs work "

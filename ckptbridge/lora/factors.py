@@ -149,4 +149,44 @@ class ModuleLora(AdapterRows):
             return ready[name]
 
 
-__all__ = ["AdapterRows", "BATCH_BYTES", "ModuleLora", "Pair", "Target"]
+class ComputedLora(AdapterRows):
+    """An adapter whose pairs are computed (a combination, a resize, an extraction) by ``compute``
+    when a writer reads them, on the engine's workers. ``modules``: every HF module it has, in the
+    base's order, with its scaling and dtype. A pair asked for on its own (:meth:`pair`) is computed
+    once and kept; pairs read in batches are not kept."""
+
+    format = "computed"
+
+    def __init__(self, path: str, base: Base, modules: dict[str, tuple[Scaling, np.dtype]],
+                 compute: Callable[[str], Pair]):
+        self.path = path
+        self.base = base
+        self.modules = modules
+        self.compute = compute
+        self._kept: dict[str, Pair] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return list(self.modules)
+
+    def scaling_of(self, name: str) -> Scaling:
+        return self.modules[name][0]
+
+    def dtype_of(self, name: str) -> np.dtype:
+        return np.dtype(self.modules[name][1])
+
+    def pair(self, name: str) -> Pair:
+        with self._lock:
+            if name in self._kept:
+                return self._kept[name]
+        value = self.compute(name)
+        with self._lock:
+            return self._kept.setdefault(name, value)
+
+    def _read_names(self, names: list[str]) -> dict[str, Pair]:
+        with self._lock:
+            kept = {n: self._kept[n] for n in names if n in self._kept}
+        return {n: kept[n] if n in kept else self.compute(n) for n in names}
+
+
+__all__ = ["AdapterRows", "BATCH_BYTES", "ComputedLora", "ModuleLora", "Pair", "Target"]
