@@ -94,6 +94,7 @@ def measured(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
 def delta_error(extracted: str, adapter: str) -> float:
     """``||B A * s - true delta|| / ||true delta||`` over every module of ``adapter`` (a PEFT
     directory with factors that mergekit or ckptbridge extracted), in float64."""
+    import ml_dtypes  # noqa: F401  # numpy learns bfloat16, the adapters' dtype
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--mergekit", help="mergekit-extract-lora of an environment with mergekit")
     ap.add_argument("--methods", nargs="+", default=["cat", "linear", "ties", "svd"])
     ap.add_argument("--parts", nargs="+", default=["extract", "combine"], choices=("extract", "combine"))
+    ap.add_argument("--families", nargs="+", default=["qwen3", "gemma4"], choices=("qwen3", "gemma4"),
+                    help="the models extract runs on")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds any one run may take")
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true")
@@ -173,7 +176,7 @@ def main() -> None:
             rows.append({"verb": "extract", "family": family, "who": who, **extra, **r})
             print(json.dumps(rows[-1]), flush=True)
 
-        for family in ("qwen3", "gemma4") if "extract" in args.parts else ():
+        for family in args.families if "extract" in args.parts else ():
             base, adapters, tuned = models[family]
             for randomized in (False, True):
                 out = os.path.join(work, f"x-{family}-{randomized}")
