@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ckptbridge import formats
+from ckptbridge import formats, options
 from ckptbridge.errors import EXIT_CODES_HELP as EPILOG
 from ckptbridge.report import emit as _emit
 
@@ -14,11 +14,9 @@ WRITE_OPTIONS = [o for n in ADAPTER_FORMATS for o in formats.FORMATS[n].write_op
 def _common(sp, *, to_default: str, orbax_inputs: bool = True) -> None:
     """Options every adapter verb takes: the destination's format and its options, the output
     dtype, Orbax LoRA inputs' step/alpha, workers, and the output flags."""
-    from ckptbridge.adapter import DTYPES
-
     sp.add_argument("--to", metavar="FORMAT", choices=ADAPTER_FORMATS,
                     help=f"the format written: {', '.join(ADAPTER_FORMATS)} (default: {to_default})")
-    sp.add_argument("--dtype", choices=DTYPES, help="dtype of the factors written (default: " +
+    sp.add_argument("--dtype", choices=options.ADAPTER_DTYPES, help="dtype of the factors written (default: " +
                     ("the input's)" if to_default.startswith("SRC") else "float32)"))
     for name in [*dict.fromkeys(WRITE_OPTIONS), "step", *(["alpha"] if orbax_inputs else [])]:
         formats.OPTIONS[name].add_to(sp)
@@ -72,9 +70,6 @@ def cmd_extract(args) -> int:
 
 
 def add_adapter(sub) -> None:
-    from ckptbridge.adapter import METHODS
-    from ckptbridge.adapter.methods import NEEDS_DENSITY, SIGN_METHODS
-
     ap = sub.add_parser("adapter", help="combine, resize or extract LoRA adapters (any adapter format)",
                         epilog=EPILOG, description="Adapter algebra on PEFT, Tunix/qwix LoRA and MaxText LoRA "
                         "adapters, written in any adapter format: combine several, change their rank, or extract "
@@ -89,13 +84,14 @@ def add_adapter(sub) -> None:
     cp.add_argument("adapters", nargs="+", metavar="ADAPTER",
                     help="the adapters (two or more; local, gs:// or Hub ids)")
     cp.add_argument("dst", metavar="DST", help="the adapter to create")
-    cp.add_argument("--method", required=True, choices=METHODS, help="how the adapters are combined")
+    cp.add_argument("--method", required=True, choices=options.COMBINE_METHODS, help="how the adapters are combined")
     cp.add_argument("--weights", type=float, nargs="+", metavar="W", help="one weight per adapter (default: 1 each)")
     cp.add_argument("--rank", type=int, metavar="R", help="rank of svd and the _svd methods (default: the largest "
                     "adapter's)")
     cp.add_argument("--density", type=float, metavar="D",
-                    help=f"fraction of entries kept by {', '.join(NEEDS_DENSITY)}")
-    cp.add_argument("--majority-sign", choices=SIGN_METHODS, help="how ties elects each entry's sign (default: total)")
+                    help=f"fraction of entries kept by {', '.join(options.COMBINE_PRUNING)}")
+    cp.add_argument("--majority-sign", choices=options.SIGN_METHODS,
+                    help="how ties elects each entry's sign (default: total)")
     cp.add_argument("--seed", type=int, default=0, help="seed of dare's random pruning (default 0)")
     cp.add_argument("--base", help="the adapters' HF base model directory or Hub id (default: the one the first "
                     "adapter records)")

@@ -13,6 +13,15 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"  # largest safetensors shard written
 DEFAULT_MEMORY_BUDGET = "256MiB"
 TARGETS = ("hf", "vllm")  # where an exported or checked adapter runs: transformers/PEFT, or vLLM
 KV_MODES = ("exact", "svd")  # PEFT k/v factors with different A's -> one qwix A: stacked, or best shared
+# adapter algebra (ckptbridge.adapter): PEFT's add_weighted_adapter methods, the ties sign election,
+# the dtypes factors are written in
+COMBINE_FACTOR_METHODS = ("linear", "ties", "dare_linear", "dare_ties", "magnitude_prune")
+COMBINE_SVD_METHODS = ("svd", "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd")
+COMBINE_METHODS = ("cat", *COMBINE_FACTOR_METHODS, *COMBINE_SVD_METHODS)
+COMBINE_PRUNING = tuple(m for m in COMBINE_METHODS if m.removesuffix("_svd") in ("ties", "dare_linear", "dare_ties",
+                                                                                 "magnitude_prune"))
+SIGN_METHODS = ("total", "frequency")
+ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
 QUANT_SCHEMES = ("int8", "fp8")  # weight quantizations written (formats.compressed_tensors.SCHEMES): W8A8, FP8_DYNAMIC
 LOGITS_TOLERANCE = 1e-5  # largest relative L2 of transformers vs Tunix logits (float32) that passes
 EXACT_TOLERANCE = 1e-4  # transformers+PEFT vs Tunix+qwix, float32

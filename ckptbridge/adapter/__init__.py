@@ -18,6 +18,7 @@ Nothing is written at ``dst`` unless the whole operation succeeds.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -39,7 +40,7 @@ from ckptbridge.formats import ADAPTER, Format
 from ckptbridge.lora.modules import Scaling
 from ckptbridge.report import Report
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = options.ADAPTER_DTYPES
 MODULE_LIST = 8  # modules named in a summary line before "and N more"
 ROW_BLOCK = 32 << 20  # bytes of rows compared at a time outside the LoRA modules
 
@@ -290,8 +291,6 @@ def combine(adapters: Sequence[str], dst: str, *, method: str, weights: Sequence
     first = formats.detect(paths[0], step)
     dest = _destination(to, first.name, write_options)
     _check_dst(dst, [*paths, *([base] if base and os.path.exists(base) else [])], overwrite)
-    import contextlib
-
     with contextlib.ExitStack() as stack:
         b = _base_of(base, paths[0], first, step, revision)
         opened = _open_adapters(paths, b, step, alpha, stack)
@@ -361,8 +360,6 @@ def resize(src: str, dst: str, *, rank: int | None = None, energy: float | None 
                           "`ckptbridge adapter extract`")
     dest = _destination(to, fmt.name, write_options)
     _check_dst(dst, [path], overwrite)
-    import contextlib
-
     with contextlib.ExitStack() as stack:
         b = _base_of(base, path, fmt, step, revision)
         (ad,) = _open_adapters([path], b, step, alpha, stack)
@@ -440,8 +437,6 @@ def extract(model: str, dst: str, *, base: str, rank: int | None = None, energy:
             raise ConfigError(f"{path}: a {fmt.name} adapter; {what} must be a model (to resize an adapter use "
                               "`ckptbridge adapter resize`)")
     _check_dst(dst, [model, base], overwrite)
-    import contextlib
-
     with contextlib.ExitStack() as stack:
         opts = {"config": config} if config else {}
         mrows = stack.enter_context(open_model(model, mfmt, {k: v for k, v in opts.items() if k in mfmt.read_options},

@@ -22,13 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from ckptbridge.adapter.lowrank import Factors, factor_matrix, truncate_product
-
-FACTOR_METHODS = ("linear", "ties", "dare_linear", "dare_ties", "magnitude_prune")
-SVD_METHODS = ("svd", "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd")
-METHODS = ("cat", *FACTOR_METHODS, *SVD_METHODS)
-NEEDS_DENSITY = tuple(m for m in METHODS if m.removesuffix("_svd") in ("ties", "dare_linear", "dare_ties",
-                                                                        "magnitude_prune"))
-SIGN_METHODS = ("total", "frequency")
+from ckptbridge.options import COMBINE_FACTOR_METHODS as FACTOR_METHODS
+from ckptbridge.options import COMBINE_METHODS as METHODS
+from ckptbridge.options import COMBINE_PRUNING as NEEDS_DENSITY
+from ckptbridge.options import COMBINE_SVD_METHODS as SVD_METHODS
+from ckptbridge.options import SIGN_METHODS
 
 
 def prune_magnitude(t: np.ndarray, density: float) -> np.ndarray:
