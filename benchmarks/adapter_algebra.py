@@ -10,11 +10,14 @@ stops on ``Gemma4ForConditionalGeneration``), so the side-by-side runs on a Qwen
 shapes, and ckptbridge's extract also runs on the Gemma 4 itself. The fine-tune is the base with a
 random rank-64 PEFT adapter merged (bf16); both extract at rank 64, and the relative error of each
 result against the adapter's true delta is given (the bf16 rounding of the merged weights is the
-floor). combine takes three rank-64 adapters with weights 0.5, 0.3, 0.2.
+floor). combine takes three float32 rank-64 adapters with weights 0.5, 0.3, 0.2 (``ties`` at density 0.5,
+``svd`` back to rank 64); its relative error is our combined delta against PEFT's.
 
     .venv/bin/python benchmarks/adapter_algebra.py --mergekit /tmp/mkvenv/bin/mergekit-extract-lora
         [--dir DIR] [--keep] [--out FILE] [--methods cat linear ties svd] [--parts extract combine]
         [--timeout 1800] [--small]
+
+Each run adds its rows to ``--out`` (numbered by run) when that file holds the same shapes and rank.
 
 mergekit comes from PyPI in an environment of its own (``python -m venv /tmp/mkvenv;
 /tmp/mkvenv/bin/pip install torch==2.13.0 mergekit==0.1.5``); without ``--mergekit`` its rows say
@@ -78,8 +81,12 @@ def measured(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     (MB, ``/usr/bin/time``'s maximum resident set size)."""
     subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-f", "@@peak_kb %M", *cmd], capture_output=True, text=True,
-                          timeout=timeout + 60, env={**os.environ, **(env or {})})
+    try:
+        proc = subprocess.run(["/usr/bin/time", "-f", "@@peak_kb %M", *cmd], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mb": None,
+                "error": f"not done after {timeout:.0f} s (--timeout)"}
     wall = time.perf_counter() - t0
     peak = [line for line in proc.stderr.splitlines() if line.startswith("@@peak_kb")]
     result = {"ok": proc.returncode == 0, "wall_s": round(wall, 2),
@@ -132,10 +139,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds any one run may take")
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "adapter_algebra_31b.json"))
+    ap.add_argument("--out", help="results file (default: benchmarks/results/adapter_algebra_31b.json; with "
+                    "--small, one in the temporary directory)")
     ap.add_argument("--small", action="store_true", help="1/16 of the widths, rank 8: to check the script")
     args = ap.parse_args()
     global RANK
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "adapter_algebra_small.json") if args.small
+                            else os.path.join(ROOT, "benchmarks", "results", "adapter_algebra_31b.json"))
     if args.small:
         RANK = 8
         for dims in (QWEN3, GEMMA4):
@@ -191,29 +201,46 @@ def main() -> None:
             else:
                 rows.append({"verb": "extract", "family": family, "who": "mergekit-extract-lora", "ok": False,
                              "error": "not run (no --mergekit)"})
-        base, adapters, _ = models["qwen3"]
+        base = models["qwen3"][0]
+        adapters = []  # float32, as PEFT saves them (in bf16, ties at the density's threshold are broken
+        for i in range(3 if "combine" in args.parts else 0):  # differently by torch.topk and numpy)
+            adapters.append(os.path.join(work, f"qwen3-adapter{i}-f32"))
+            if not os.path.exists(adapters[-1]):
+                write_random_adapter(base, adapters[-1], r=RANK, lora_alpha=2 * RANK, seed=7 + i, dtype="float32")
         for method in args.methods if "combine" in args.parts else ():
             out = os.path.join(work, f"c-{method}")
             kw = dict(adapters=adapters, dst=out, method=method, weights=WEIGHTS, base=base,
                       **({"density": 0.5} if "ties" in method else {}), **({"rank": RANK} if method == "svd" else {}))
             shutil.rmtree(out, ignore_errors=True)
             r = measured([py, "-c", OURS, "combine", json.dumps(kw)], args.timeout)
-            rows.append({"verb": "combine", "family": "qwen3", "who": "ckptbridge", "method": method, **r})
-            print(json.dumps(rows[-1]), flush=True)
-            out = os.path.join(work, f"p-{method}")
-            shutil.rmtree(out, ignore_errors=True)
-            r = measured([py, "-c", PEFT, base, method, out, json.dumps(adapters), json.dumps(WEIGHTS), str(RANK)],
-                         args.timeout)
-            rows.append({"verb": "combine", "family": "qwen3", "who": "PEFT add_weighted_adapter", "method": method,
-                         **r})
-            print(json.dumps(rows[-1]), flush=True)
+            ours = {"verb": "combine", "family": "qwen3", "who": "ckptbridge", "method": method, **r}
+            theirs = os.path.join(work, f"p-{method}")
+            shutil.rmtree(theirs, ignore_errors=True)
+            r = measured([py, "-c", PEFT, base, method, theirs, json.dumps(adapters), json.dumps(WEIGHTS),
+                          str(RANK)], args.timeout)
+            if r["ok"] and ours["ok"]:  # how far our combined delta is from PEFT's
+                ours["relative_error"] = delta_error(out, os.path.join(theirs, "c"))  # PEFT saves "c" under c/
+            rows += [ours, {"verb": "combine", "family": "qwen3", "who": "PEFT add_weighted_adapter",
+                            "method": method, **r}]
+            print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", flush=True)
+            shutil.rmtree(theirs, ignore_errors=True)
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     import platform
 
-    result = {"command": " ".join([os.path.basename(py), *sys.argv]), "cpus": os.cpu_count(),
-              "machine": platform.machine(), "shapes": SHAPES, "layers": 4, "rank": RANK, "rows": rows}
+    command = " ".join([os.path.basename(py), *sys.argv])
+    shapes = {k: QWEN3[k] for k in SHAPES}
+    result = {"command": [command], "cpus": os.cpu_count(), "machine": platform.machine(), "shapes": shapes,
+              "layers": 4, "rank": RANK, "rows": []}
+    if os.path.exists(args.out):  # a run adds its rows to the earlier ones, numbered
+        with open(args.out) as f:
+            earlier = json.load(f)
+        if earlier.get("rank") == RANK and earlier.get("shapes") == shapes:
+            result["command"] = [*earlier["command"], command]
+            result["rows"] = earlier["rows"]
+    run = 1 + max((r.get("run", 1) for r in result["rows"]), default=0)
+    result["rows"] += [{**r, "run": run} for r in rows]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
