@@ -297,7 +297,7 @@ class TunixModelPlan:
             device = _lookup(shardings, e.tunix_path) if shardings is not None else default_device
             if shardings is not None:
                 _check_divisible(e.tunix_name, value.shape, device)
-            placed = jax.device_put(value.astype(pdtype, copy=False), device)
+            placed = put(value, device, pdtype)
             placed.block_until_ready()  # the host bytes are free once the job ends
             return placed
 
@@ -350,6 +350,20 @@ class TunixModelPlan:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def put(value: np.ndarray, where, dtype: np.dtype | None = None):
+    """``value`` (host memory, e.g. a mapped file's tensor) on a device or sharding, cast to ``dtype``.
+    A sharding that spans other processes' devices (a run of several hosts) gets from this process
+    only the slices of its own devices: only those are read and cast (from a mapped file, only
+    their pages), and no process waits on another."""
+    import jax
+
+    if getattr(where, "is_fully_addressable", True):  # a device, or a sharding over this process's devices
+        return jax.device_put(value.astype(dtype, copy=False) if dtype is not None else value, where)
+    dtype = np.dtype(dtype if dtype is not None else value.dtype)
+    return jax.make_array_from_callback(tuple(value.shape), where,
+                                        lambda index: np.asarray(value[index]).astype(dtype, copy=False))
 
 
 def _flat(tree: dict, prefix: tuple = ()):

@@ -11,6 +11,7 @@ loss covers only the assistant turn: its content and its end-of-turn marker.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -182,11 +183,17 @@ def _read_encoded(path: str, key: str) -> Encoded | None:
 
 
 def pipeline(examples: list[dict], *, seq_len: int, batch: int, packing: bool, seed: int, epochs: int = 1,
-             num_packing_bins: int = 64):
+             num_packing_bins: int = 64, rows: tuple[int, int] | None = None):
     """A Grain IterDataset of training micro-batches: ``tokens``, ``loss_mask``, ``segment_ids``
     and ``positions``, each ``(batch, seq_len)``. Shuffled by ``seed`` (a new order each epoch);
     with ``packing`` several examples share a row (best-fit over ``num_packing_bins`` open rows),
-    without it each row is one example padded to ``seq_len``."""
+    without it each row is one example padded to ``seq_len``.
+
+    ``batch`` is the global micro-batch (every process of a run iterates the same order). The last
+    one of the data is filled up to ``batch`` rows with empty rows (no token, loss weight zero), so
+    that every micro-batch has the shape the step was compiled for. ``rows=(lo, hi)`` keeps rows
+    ``lo:hi`` of each micro-batch: the rows this process feeds to its devices. Each micro-batch also
+    says ``real_tokens`` (of the whole micro-batch, before ``rows``) and ``filler_rows``."""
     import grain
 
     ds = grain.MapDataset.source(examples)
@@ -200,7 +207,20 @@ def pipeline(examples: list[dict], *, seq_len: int, batch: int, packing: bool, s
         it = it.map(_from_packed)
     else:
         it = it.map(lambda e: _pad(e, seq_len))
-    return it.batch(batch, drop_remainder=False)
+    return it.batch(batch, drop_remainder=False).map(functools.partial(_fill_and_keep, batch=batch, rows=rows))
+
+
+def _fill_and_keep(b: dict, *, batch: int, rows: tuple[int, int] | None) -> dict:
+    n = len(b["tokens"])
+    out = {k: np.asarray(v) for k, v in b.items()}
+    if n < batch:
+        out = {k: np.concatenate([v, np.zeros((batch - n, *v.shape[1:]), v.dtype)]) for k, v in out.items()}
+    real = int((out["segment_ids"] > 0).sum())
+    if rows is not None:
+        out = {k: v[rows[0]:rows[1]] for k, v in out.items()}
+    out["real_tokens"] = np.asarray(real, np.int64)
+    out["filler_rows"] = np.asarray(batch - n, np.int64)
+    return out
 
 
 def _from_packed(e: dict) -> dict:
@@ -227,7 +247,7 @@ def count_batches(examples: list[dict], **kwargs: Any) -> tuple[int, int]:
     n, real = 0, 0
     for b in pipeline(examples, **kwargs):
         n += 1
-        real += int((b["segment_ids"] > 0).sum())
+        real += int(b["real_tokens"])
     return n, real
 
 

@@ -1,9 +1,8 @@
 """Device mesh (fsdp x tp) from the devices and the settings, with checks that name the rule broken,
 and LoRA parameter shardings that fit their factors.
 
-Multi-host TPU pods: call :func:`init_distributed` first on every host (it runs
-``jax.distributed.initialize()``, which reads the TPU environment); ``jax.devices()`` then lists
-the chips of all hosts and the same mesh spans the pod. On one host it does nothing.
+Several processes (training/distributed.py): once they have joined, ``jax.devices()`` lists the
+devices of all of them and the same mesh spans them.
 """
 
 from __future__ import annotations
@@ -19,30 +18,10 @@ from ckptbridge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-_joined = False
-
-
-def init_distributed() -> None:
-    """Join a multi-host run when the environment describes one (TPU pod slices, or the
-    ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` variables)."""
-    global _joined
-    import jax
-
-    if multi_host() and not _joined:
-        jax.distributed.initialize()
-        _joined = True
-        log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
-
-
-def multi_host() -> bool:
-    """Whether the environment describes a multi-host run (a TPU pod slice, or JAX's coordinator)."""
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0
-
-
 def start_backend() -> None:
     """Start JAX's accelerator backend (seconds on a TPU) on a thread, while the caller goes on
-    importing and reading; the first ``jax.devices()`` elsewhere waits for it. A multi-host run
-    joins its peers first (:func:`init_distributed`, which must come before the backend)."""
+    importing and reading; the first ``jax.devices()`` elsewhere waits for it. A run of several
+    processes joins them first (:func:`training.distributed.join`)."""
     import threading
 
     def start() -> None:
@@ -53,8 +32,6 @@ def start_backend() -> None:
         except Exception:  # the caller's own jax.devices() reports it
             pass
 
-    if multi_host():
-        init_distributed()
     threading.Thread(target=start, name="backend", daemon=True).start()
 
 

@@ -90,9 +90,11 @@ class Planned:
     abstract: StepState
     shardings: dict[str, Any]
 
-    def compile(self, cfg, schedule) -> Programs:
+    def compile(self, cfg, schedule, processes: int = 1) -> Programs:
+        """The programs for a micro-batch of ``cfg.micro_batch`` rows from each of ``processes``."""
         return compile_programs(self.graphdef, self.opt_graphdef, self.abstract, self.shardings,
-                                micro_batch=cfg.micro_batch, seq_len=cfg.max_length, loss_chunk=cfg.loss_chunk,
+                                micro_batch=cfg.micro_batch * processes, seq_len=cfg.max_length,
+                                loss_chunk=cfg.loss_chunk,
                                 schedule=schedule, dropout_seed=cfg.seed if cfg.dropout > 0 else None)
 
 
@@ -116,11 +118,12 @@ def batch_sharding(mesh, micro_batch: int):
     return NamedSharding(mesh, PartitionSpec(axis))
 
 
-def analyze(model_cfg, cfg, mesh, lora_rules: list[dict]) -> tuple[Programs, Any]:
+def analyze(model_cfg, cfg, mesh, lora_rules: list[dict], processes: int = 1) -> tuple[Programs, Any]:
     """The step programs of training ``model_cfg`` (a :class:`ckptbridge.config.ModelConfig`) with
-    the settings ``cfg`` on ``mesh``, compiled from shapes alone (no weight is allocated: this runs
-    on a CPU for any model size, and on a TPU topology without its chips). Returns the programs and
-    the model plan."""
+    the settings ``cfg`` on ``mesh`` (its devices on ``processes`` hosts, each feeding
+    ``cfg.micro_batch`` rows), compiled from shapes alone (no weight is allocated: this runs on a
+    CPU for any model size, and on a TPU topology without its chips). Returns the programs and the
+    model plan."""
     from ckptbridge.tunix_model import TunixModelPlan
     from training.remat import tunix_remat
 
@@ -129,8 +132,8 @@ def analyze(model_cfg, cfg, mesh, lora_rules: list[dict]) -> tuple[Programs, Any
                                     remat=tunix_remat(cfg.remat),
                                     allow_config_mismatch=cfg.allow_config_mismatch, lora_rules=rules, seed=cfg.seed)
     tx, schedule = optimizer_of(cfg, 1000)
-    planned = plan_step(plan, cfg, tx, batch_sharding(mesh, cfg.micro_batch))
-    return planned.compile(cfg, schedule), plan
+    planned = plan_step(plan, cfg, tx, batch_sharding(mesh, cfg.micro_batch * processes))
+    return planned.compile(cfg, schedule, processes), plan
 
 
 def split(model, optimizer) -> tuple[Any, Any, Any, Any, Any]:
@@ -249,7 +252,33 @@ def zeros_like(tree, shardings):
     """Zeros of ``tree``'s shapes and dtypes on ``shardings``, from host memory (no program compiled)."""
     import jax
 
-    return jax.device_put(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree), shardings)
+    from ckptbridge.tunix_model import put
+
+    return jax.tree.map(lambda x, s: put(np.zeros(x.shape, x.dtype), s), tree, shardings)
+
+
+def batch_rows(sharding, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The rows ``lo:hi`` of a global micro-batch of ``shape`` that this process's devices hold
+    under ``sharding`` (all of them on one process, or where the batch is replicated)."""
+    spans = [(i[0].start or 0, shape[0] if i[0].stop is None else i[0].stop)
+             for i in sharding.addressable_devices_indices_map(shape).values()]
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def global_batch(local: dict, sharding, shape: tuple[int, ...], lo: int) -> dict:
+    """The global micro-batch arrays of ``shape`` from this process's rows (``local``, from row
+    ``lo`` on): each device gets its slice, and no process sends another anything."""
+    import jax
+
+    def array(value):
+        value = np.asarray(value, np.int32)
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        return jax.make_array_from_callback(shape, sharding, lambda index: value[(
+            slice((index[0].start or 0) - lo, (shape[0] if index[0].stop is None else index[0].stop) - lo),
+            *index[1:])])
+
+    return {k: array(v) for k, v in local.items()}
 
 
 def nbytes(tree) -> int:

@@ -95,11 +95,16 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     base_info = open_base(base)
     check_config(base_info.cfg, cfg.allow_config_mismatch, warn=False)  # before anything is written
     lora_rules = cfg.lora_rules(base_info.spec.lora_targets)
+    # several processes (training/distributed.py): each feeds micro_batch rows of every global
+    # micro-batch; process 0 writes the run's files, all of them write the checkpoints together
+    processes, primary = jax.process_count(), jax.process_index() == 0
     os.makedirs(run.root, exist_ok=True)
-    settings = {**cfg.to_dict(), "base": os.path.abspath(base), "data": os.path.abspath(data_path)}
+    settings = {**cfg.to_dict(), "base": os.path.abspath(base), "data": os.path.abspath(data_path),
+                "processes": processes}
     _check_same_run(run, settings)
-    with open(run.config, "w") as f:
-        json.dump(settings, f, indent=2)
+    if primary:
+        with open(run.config, "w") as f:
+            json.dump(settings, f, indent=2)
     if cfg.compile_cache != "off":  # before the first compilation
         cache = compiles.use_cache(cfg.compile_cache or run.compile_cache)
         log.info("compilation cache %s", cache)
@@ -113,7 +118,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         from ckptbridge.errors import ConfigError
 
         raise ConfigError(f"{data_path}: no row fits max_length={cfg.max_length} ({encoded.dropped_too_long} too long)")
-    pipe_args = dict(seq_len=cfg.max_length, batch=cfg.micro_batch, packing=cfg.packing, seed=cfg.seed,
+    batch_rows = cfg.micro_batch * processes  # the global micro-batch
+    pipe_args = dict(seq_len=cfg.max_length, batch=batch_rows, packing=cfg.packing, seed=cfg.seed,
                      epochs=cfg.epochs, num_packing_bins=cfg.num_packing_bins)
     micro_batches, real_tokens = data_lib.count_batches(encoded.examples, **pipe_args)
     total_steps = max(1, micro_batches // cfg.grad_accum)
@@ -122,7 +128,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     log.info("data: %d rows, %d encoded (%d dropped over %d tokens, %d empty), %d tokens; %d micro-batches -> "
              "%d optimizer steps; real-token fraction %.3f", encoded.rows, len(encoded.examples),
              encoded.dropped_too_long, cfg.max_length, encoded.dropped_empty, encoded.tokens, micro_batches,
-             total_steps, real_tokens / max(1, micro_batches * cfg.micro_batch * cfg.max_length))
+             total_steps, real_tokens / max(1, micro_batches * batch_rows * cfg.max_length))
 
     # model: planned, programs compiled from the plan while the weights load
     phases["data"] = time.perf_counter() - t_data
@@ -132,7 +138,9 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         log.info("base has %s towers: training the text model (Tunix builds it alone)", ", ".join(base_info.cfg.towers))
     tx, schedule = step_lib.optimizer_of(cfg, total_steps)
     rules = [dict(r, dropout=cfg.dropout) for r in lora_rules]
-    batch_sharding = step_lib.batch_sharding(mesh, cfg.micro_batch)
+    batch_sharding = step_lib.batch_sharding(mesh, batch_rows)
+    batch_shape = (batch_rows, cfg.max_length)
+    my_rows = step_lib.batch_rows(batch_sharding, batch_shape)
     compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
     with open_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
                           remat=tunix_remat(cfg.remat), skip_multimodal=True,
@@ -140,7 +148,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         planned = step_lib.plan_step(plan, cfg, tx, batch_sharding)
         graphdef, opt_graphdef, shardings = planned.graphdef, planned.opt_graphdef, planned.shardings
         lora_a, frozen_a, opt_a = planned.abstract.lora, planned.abstract.frozen, planned.abstract.opt
-        programs_future = compiler.submit(_compile, planned, cfg, schedule)
+        programs_future = compiler.submit(_compile, planned, cfg, schedule, processes)
         replaced, total = plan.lora_annotations
         phases["plan"] = time.perf_counter() - t_plan
         t_load = time.perf_counter()
@@ -181,8 +189,11 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     tokens_seen = state.tokens_seen or 0
     if step:
         log.info("resumed from step %d (%d tokens seen)", step, tokens_seen)
-        _truncate_metrics(run.metrics, step)
-    iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args), state.data_state)
+        if primary:
+            _truncate_metrics(run.metrics, step)
+    # every process iterates the same global order (so one saved data state serves them all) and
+    # keeps the rows its devices take
+    iterator = data_lib.iterate(data_lib.pipeline(encoded.examples, **pipe_args, rows=my_rows), state.data_state)
     # the programs' arguments, each on the sharding it was compiled with
     _, lora, frozen, _, opt = step_lib.split(model, optimizer)
     for name, real, want in (("LoRA factors", lora, lora_a), ("frozen state", frozen, frozen_a),
@@ -218,22 +229,23 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         f"{name} {row['seconds']:.1f} s" + (" (from the cache)" if row["cache_hits"] else "")
         for name, row in startup.by_program().items() if row["seconds"] >= 0.05) or "nothing", compile_wait)
 
-    bar = _progress(total_steps, step, progress)
-    seq_tokens = cfg.micro_batch * cfg.max_length
+    bar = _progress(total_steps, step, progress) if primary else None
+    seq_tokens = batch_rows * cfg.max_length
     first_step_seconds = None  # from the start of this session to the end of its first step
     start_step = step
-    with open(run.metrics, "a") as metrics_file:
+    with open(run.metrics if primary else os.devnull, "a") as metrics_file:
         while step < total_steps:
             t0 = time.perf_counter()
             compiled_before = compiles.totals()
-            losses, real, loss_tokens = [], 0, 0
+            losses, real, loss_tokens, filler = [], 0, 0, 0
             for micro in range(cfg.grad_accum):
                 try:
                     host = next(iterator)
                 except StopIteration:
                     break
-                real += int((host["segment_ids"] > 0).sum())
-                batch = jax.device_put({k: np.asarray(v, np.int32) for k, v in host.items()}, batch_sharding)
+                real += int(host.pop("real_tokens"))
+                filler += int(host.pop("filler_rows"))
+                batch = step_lib.global_batch(host, batch_sharding, batch_shape, my_rows[0])
                 args.acc, loss, count = programs.grad(args.lora, args.frozen, args.acc, batch,
                                                       np.int32(step * cfg.grad_accum + micro))
                 losses.append(loss)
@@ -253,7 +265,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
             record = {"step": step, "loss": float(np.mean(losses)), "grad_norm": grad_norm, "lr": lr,
                       "tokens": real, "loss_tokens": loss_tokens, "tokens_per_s": real / dt,
                       "real_token_fraction": real / (seq_tokens * len(losses)), "seconds": dt,
-                      "tokens_seen": tokens_seen, "compiles": compiled.compiles,
+                      "tokens_seen": tokens_seen, "filler_rows": filler, "compiles": compiled.compiles,
                       "compile_seconds": round(compiled.seconds, 3), "compile_cache_hits": compiled.cache_hits,
                       "since_start_seconds": round(time.perf_counter() - t_start, 3),
                       "mfu": throughput.mfu(flops.total, real / dt, mesh.devices.size, peak),
@@ -270,7 +282,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
                     record["since_launch_seconds"] = round(launch, 3)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-            if new_session:  # what this session's start cost, kept even if it is killed later
+            if new_session and primary:  # what this session's start cost, kept even if it is killed later
                 session = {"resumed_from_step": start_step, "launch_to_first_step_seconds": record.get(
                     "since_launch_seconds"), "start_to_first_step_seconds": first_step_seconds,
                     "load_seconds": round(load_seconds, 3),
@@ -293,6 +305,9 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     memory["device_peak_bytes"] = _peak_memory()
     hardware = {"chip": chip, "chips": int(mesh.devices.size), "peak_tflops_per_chip": peak,
                 "flops_per_token": flops.total, "peak_memory_bytes": memory["device_peak_bytes"]}
+    if not primary:  # process 0 writes the run's summary
+        return {"process": jax.process_index(), "processes": processes, "steps": step, "total_steps": total_steps,
+                "checkpoints": os.path.abspath(run.checkpoints)}
     first = next((r for r in read_metrics(run.metrics) if r.get("session_step") == 1 and r["step"] == start_step + 1),
                  {})
     session = {"launch_to_first_step_seconds": first.get("since_launch_seconds"), "load_seconds": round(load_seconds, 3),
@@ -304,12 +319,12 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     return summary
 
 
-def _compile(planned, cfg: TrainConfig, schedule):
+def _compile(planned, cfg: TrainConfig, schedule, processes: int):
     """The step programs, with the chip's memory exceeded said in one line."""
     from ckptbridge.errors import ConfigError
 
     try:
-        return planned.compile(cfg, schedule)
+        return planned.compile(cfg, schedule, processes)
     except Exception as e:
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text or "exceeds" in text and "memory" in text.lower():
@@ -323,7 +338,7 @@ def _memory_report(programs, weights: int, lora: int, opt: int) -> dict:
     """What XLA's analysis says each step program needs on one device, and what holds it."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return {"programs": programs.memory, "step_peak_bytes": programs.peak_bytes(), "weights_bytes": weights,
             "lora_bytes": lora, "optimizer_bytes": opt, "device_limit_bytes": stats.get("bytes_limit")}
 
@@ -358,13 +373,14 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
     devices = topology_devices(topology) if topology else jax.devices()
     mesh = make_mesh(cfg.fsdp, cfg.tp, info.cfg, devices)
     limit, limit_source = device_memory(devices[0])
+    hosts = len({getattr(d, "process_index", 0) for d in devices})  # a slice of several hosts: one process each
     report = {"base": os.path.abspath(base), "layers": info.cfg.num_layers, "max_length": cfg.max_length,
-              "micro_batch": cfg.micro_batch, "rank": cfg.rank, "remat": cfg.remat,
-              "device_kind": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
-              "device_memory_bytes": limit, "device_memory_source": limit_source}
+              "micro_batch": cfg.micro_batch, "processes": hosts, "global_micro_batch": cfg.micro_batch * hosts,
+              "rank": cfg.rank, "remat": cfg.remat, "device_kind": devices[0].device_kind, "devices": len(devices),
+              "mesh": dict(mesh.shape), "device_memory_bytes": limit, "device_memory_source": limit_source}
     t = time.perf_counter()
     try:
-        programs, plan = step_lib.analyze(info.cfg, cfg, mesh, cfg.lora_rules(info.spec.lora_targets))
+        programs, plan = step_lib.analyze(info.cfg, cfg, mesh, cfg.lora_rules(info.spec.lora_targets), hosts)
     except ConfigError:
         raise
     except Exception as e:
@@ -399,8 +415,8 @@ def _check_same_run(run: Run, settings: dict) -> None:
     with open(run.config) as f:
         old = json.load(f)
     keys = ("base", "data", "rank", "alpha", "targets", "max_length", "packing", "seed", "micro_batch",
-            "grad_accum", "epochs")
-    changed = [k for k in keys if old.get(k) != settings.get(k)]
+            "grad_accum", "epochs", "processes")
+    changed = [k for k in keys if old.get(k, 1 if k == "processes" else None) != settings.get(k)]
     if changed:
         from ckptbridge.errors import ConfigError
 
@@ -455,7 +471,7 @@ def _peak_memory() -> int | None:
     """Peak bytes in use on the first device (GPU, TPU); None where jax keeps no count (CPU)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
