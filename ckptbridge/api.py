@@ -134,15 +134,18 @@ def convert_adapter_to_gguf(adapter: str, dst: str, *, base: str, step: int | No
 def merge_lora(base: str, adapter: str, dst: str, *, step: int | None = None, alpha: float | None = None,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base_id: str | None = None,
                overwrite: bool = False, workers: int | None = None, memory_budget: str | int | None = None,
-               progress: bool | None = None, revision: str | None = None, quantize: str | None = None) -> Report:
+               progress: bool | None = None, revision: str | None = None, quantize: str | None = None,
+               as_trained: bool = False) -> Report:
     """Merge ``adapter`` (a PEFT directory, a Tunix/qwix or MaxText LoRA checkpoint) into the model
     ``base`` and write the merged HF model to ``dst`` (sharded safetensors + index, config.json,
     the base's non-weight files, and a model card naming the base, its Hub id ``base_id`` or the
     one found from its path or config): ``W + scale * B @ A`` accumulated in float32, stored in the
     base's dtype, a block of rows at a time on ``workers`` threads within ``memory_budget``.
     ``quantize`` (``"int8"`` or ``"fp8"``): the merged decoder projections written quantized in the
-    same pass (compressed-tensors)."""
+    same pass (compressed-tensors). ``as_trained``: a QLoRA adapter merged into the quantized base it
+    was trained against (dequantized as qwix held it), not into ``base`` as it is."""
     return convert(base, dst, to="hf", adapter=adapter, direction="merge", desc="merge", step=step, alpha=alpha,
+                   as_trained=as_trained or None,
                    max_shard_size=max_shard_size, base_id=base_id, overwrite=overwrite, workers=workers,
                    memory_budget=memory_budget, progress=progress, revision=revision, quantize=quantize)
 

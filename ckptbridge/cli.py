@@ -64,7 +64,7 @@ ALIASES: dict[str, Alias] = {
     "adapter-to-gguf": Alias("LoRA adapter (PEFT, Tunix or MaxText) -> GGUF LoRA (--lora, Ollama ADAPTER)", None,
                              "gguf-lora", extra=("base", "step", "alpha"), defaults=(("outtype", "f32"),)),
     "merge": Alias("merge a LoRA adapter into the base model (an HF directory)", None, "hf",
-                   ("base", "adapter", "dst"), extra=("step", "alpha")),
+                   ("base", "adapter", "dst"), extra=("step", "alpha", "as_trained")),
     "quantize": Alias("quantize an HF model to int8 or fp8 (compressed-tensors, for vLLM)", "hf", "hf",
                       renames=(("scheme", "quantize"),), extra=("scheme",)),
 }
@@ -141,7 +141,7 @@ def add_convert(sub) -> argparse.ArgumentParser:
     sp.add_argument("--to", metavar="FORMAT", help="the destination's format: "
                     + ", ".join(n for n, f in formats.FORMATS.items() if f.writes))
     seen: set[str] = set()
-    _options_of(("adapter", "base", "quantize"), sp, seen)
+    _options_of(("adapter", "base", "quantize", "as_trained"), sp, seen)
     _options_of([o for f in formats.FORMATS.values() for o in f.read_options + f.write_options], sp, seen)
     _output(sp, seen)
     sp.set_defaults(func=cmd_convert, alias=None, huge_pages=True)

@@ -42,8 +42,10 @@ def _check_applies(opts: dict[str, Any], source: Format, dest: Format, adapters:
     for name in opts:
         if name in {o.name for o in formats.COMMON} or name in source.read_options or name in dest.write_options:
             continue
-        if adapters and name in ("step", "alpha"):
+        if adapters and name in ("step", "alpha", "as_trained"):
             continue
+        if name == "as_trained":
+            raise ConfigError("--as-trained applies to a merge: give the QLoRA adapter with --adapter")
         if name == "quantize" and dest.name == "hf":
             continue
         opt = formats.OPTIONS[name]
@@ -98,18 +100,37 @@ def open_adapter(src: str, base, *, step: int | None = None, alpha: float | None
     return fmt.open(src, base, step=step, alpha=alpha)
 
 
-def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: float | None = None):
-    """``rows`` with every adapter's deltas added (the merge stage), the factors read now."""
+def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: float | None = None,
+           as_trained: bool = False):
+    """``rows`` with every adapter's deltas added (the merge stage), the factors read now. With
+    ``as_trained``, the weights of the adapters' modules are first the QLoRA base they were trained
+    against (:class:`ckptbridge.merge.AsTrained`, from the adapters' ``base_quant`` metadata)."""
     from ckptbridge.lora.base import make_base
-    from ckptbridge.merge import Deltas, Merged, collect_deltas
+    from ckptbridge.merge import AsTrained, Deltas, Merged, collect_deltas
 
     base = make_base(rows.path, rows.cfg, rows.spec, rows.prefix)
     keys = set(rows.hf_keys())
     deltas: Deltas = {}
+    quant: list[dict] = []
     for name in adapters:
         with open_adapter(name, base, step=step, alpha=alpha) as ad:
             collect_deltas(keys, ad, name, deltas)
-    return Merged(rows, deltas)
+            meta = getattr(ad, "metadata", None)
+            found = getattr(meta, "base_quant", None)
+            if as_trained and not found:
+                raise ConfigError(f"--as-trained: {name} was not trained on a quantized base (its metadata records "
+                                  "no base_quant); merge it without --as-trained")
+            if found:
+                quant.append(found)
+    if as_trained and any(q != quant[0] for q in quant):
+        raise ConfigError("--as-trained: the adapters were trained on differently quantized bases; merge them "
+                          "one at a time")
+    return Merged(rows, deltas, AsTrained(**_as_trained_fields(quant[0])) if as_trained else None)
+
+
+def _as_trained_fields(record: dict) -> dict:
+    return {"scheme": record.get("scheme"), "tile": record.get("tile"),
+            "param_dtype": record.get("param_dtype") or "float32"}
 
 
 def _local(ref: str, patterns, revision: str | None, what: str) -> str:
@@ -199,7 +220,7 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
             from threadpoolctl import threadpool_limits
 
             rows = merged(rows, adapters, step=opts.get("step") if "step" not in fmt.read_options else None,
-                          alpha=opts.get("alpha"))
+                          alpha=opts.get("alpha"), as_trained=bool(opts.get("as_trained")))
             stack.enter_context(threadpool_limits(1, user_api="blas"))  # one BLAS thread per worker: 1.5x faster
         return dest.write(rows, dst, req, **write_opts)
 

@@ -53,11 +53,49 @@ def add_deltas(values: np.ndarray, deltas: list[Delta], start: int) -> np.ndarra
     return merged.astype(values.dtype).reshape(values.shape)
 
 
-class Merged(ModelRows):
-    """``inner``'s rows with ``deltas`` added (see the module docstring)."""
+class AsTrained:
+    """The weights a QLoRA run trained its LoRA modules against: qwix's quantization of the base's
+    rows in the run's parameter dtype (absmax, one scale per output row, or per ``tile`` inputs),
+    dequantized by qwix. A row's scale depends on that row alone, so row blocks give the same
+    values as whole tensors, and HF's (out, in) rows are the channels qwix keeps in Tunix's layout.
+    Needs qwix (``pip install 'ckptbridge[verify]'``); runs on the host's CPU."""
 
-    def __init__(self, inner: ModelRows, deltas: Deltas):
-        self.inner, self.deltas = inner, deltas
+    def __init__(self, scheme: str, tile: int | None, param_dtype: str):
+        if scheme not in ("int8", "int4", "nf4"):
+            raise MismatchError(f"--as-trained: base quantization {scheme!r} is not one this version rebuilds "
+                                "(int8, int4, nf4)")
+        if tile:  # qwix tiles the last contraction axis of Tunix's weight, and shares a tile's scale over
+            # the others (the heads of an output projection): not HF's rows
+            raise MismatchError(f"--as-trained: a base quantized in tiles ({tile}) is not rebuilt by this version; "
+                                "merge into the base as it is (without --as-trained)")
+        self.scheme, self.tile, self.dtype = scheme, tile, np.dtype(_dtype(param_dtype))
+
+    def __call__(self, values: np.ndarray) -> np.ndarray:
+        import jax
+        import jax.numpy as jnp
+        import qwix
+
+        matrix = values.reshape(-1, values.shape[-1])
+        if self.tile and matrix.shape[1] % self.tile:
+            raise MismatchError(f"--as-trained: tile {self.tile} does not divide rows of {matrix.shape[1]}")
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            q = qwix.quantize(jnp.asarray(matrix.astype(self.dtype)), self.scheme, channelwise_axes=[0],
+                              tiled_axes={1: self.tile} if self.tile else None)
+            return np.asarray(qwix.dequantize(q)).reshape(values.shape)
+
+
+def _dtype(name: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else name
+
+
+class Merged(ModelRows):
+    """``inner``'s rows with ``deltas`` added (see the module docstring); with ``as_trained``, the
+    rows the deltas go to are first the quantized base a QLoRA run held (:class:`AsTrained`)."""
+
+    def __init__(self, inner: ModelRows, deltas: Deltas, as_trained: AsTrained | None = None):
+        self.inner, self.deltas, self.as_trained = inner, deltas, as_trained
         self.format, self.path = inner.format, inner.path
         self.cfg, self.spec, self.prefix, self.entries = inner.cfg, inner.spec, inner.prefix, inner.entries
         self.towers_dropped, self.scan_layers = inner.towers_dropped, inner.scan_layers
@@ -66,7 +104,11 @@ class Merged(ModelRows):
 
     def _add(self, key: str, start: int, values: np.ndarray) -> np.ndarray:
         found = self.deltas.get(key)
-        return add_deltas(values, found, start) if found else values
+        if not found:
+            return values
+        if self.as_trained is not None:
+            return add_deltas(self.as_trained(values), found, start).astype(values.dtype)
+        return add_deltas(values, found, start)
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         return self.inner.dtype(entry)

@@ -47,6 +47,9 @@ class Metadata:
       tunix_version: the google-tunix version an Orbax checkpoint was written for: the installed
         one, or the one ``safetensors-to-orbax --tunix-version`` named (layouts and computations
         differ between Tunix versions).
+      base_quant: how a QLoRA run held its base (``scheme``, ``tile``, ``param_dtype``,
+        ``qwix_version``): the weights its LoRA modules were trained against were qwix's
+        quantization of the base's in ``param_dtype`` (``merge --as-trained`` rebuilds them).
       other: fields this version does not know, kept as they are.
     """
 
@@ -67,6 +70,7 @@ class Metadata:
     tokens_seen: int | None = None
     data_state: Any = None
     tunix_version: str | None = None
+    base_quant: dict | None = None
     other: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -87,7 +91,8 @@ class Metadata:
             return cls(format_version=None)
         types = {"kind": str, "family": str, "format_version": int, "hf_config": dict, "key_prefix": str,
                  "config_dialect": str, "towers_dropped": int, "assets": list, "source": str, "base": str,
-                 "kv": str, "target": str, "step": int, "tokens_seen": int, "tunix_version": str}
+                 "kv": str, "target": str, "step": int, "tokens_seen": int, "tunix_version": str,
+                 "base_quant": dict}
         values: dict[str, Any] = {}
         other = {}
         for key, value in obj.items():

@@ -30,6 +30,9 @@ from ckptbridge.errors import ConfigError
 from ckptbridge.specs import FAMILIES
 from training.remat import REMAT
 
+# QLoRA base types (qwix weight_qtype): int8, int4, NormalFloat4
+BASE_QUANT = ("none", "int8", "int4", "nf4")
+
 # the paper's recipe, plus k_einsum (see above)
 PAPER_TARGETS = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gate_proj", "up_proj", "down_proj")
 
@@ -80,6 +83,11 @@ class TrainConfig:
     # train even where Tunix's model of the base's family computes another model than transformers
     # (a RoPE theta or scaling it ignores); the run then trains what Tunix computes
     allow_config_mismatch: bool = False
+    # QLoRA: the base's LoRA-target weights stored quantized (qwix's own LoraRule weight_qtype, absmax
+    # per output channel), quantized tensor by tensor as they load; base_quant_tile: sub-channel tiles
+    # of that many inputs (none: one scale per output channel)
+    base_quant: str = "none"
+    base_quant_tile: int | None = None
 
     def lora_rules(self, family_targets: tuple[str, ...] = ()) -> list[dict]:
         """The qwix rules of this recipe on a base whose family has the LoRA targets ``family_targets``."""
@@ -88,7 +96,12 @@ class TrainConfig:
         if unknown or not targets:
             raise ConfigError(f"invalid setting: targets {', '.join(unknown) or '(none)'}: the base's family has "
                               f"the LoRA targets {', '.join(family_targets) or '(none given)'}")
-        return [{"module_path": f".*({'|'.join(targets)})", "rank": self.rank, "alpha": self.alpha}]
+        rule: dict[str, Any] = {"module_path": f".*({'|'.join(targets)})", "rank": self.rank, "alpha": self.alpha}
+        if self.base_quant != "none":
+            rule["weight_qtype"] = self.base_quant
+            if self.base_quant_tile:
+                rule["tile_size"] = self.base_quant_tile
+        return [rule]
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -209,6 +222,11 @@ def validate(cfg: TrainConfig) -> None:
         (_size_ok(cfg.load_memory_budget), f"load_memory_budget {cfg.load_memory_budget!r}: a size such as 2GiB"),
         (cfg.param_dtype in ("float32", "bfloat16") and cfg.dtype in ("float32", "bfloat16"),
          "param_dtype and dtype must be float32 or bfloat16"),
+        (cfg.base_quant in BASE_QUANT, f"base_quant {cfg.base_quant!r}: one of {', '.join(BASE_QUANT)} (qwix's "
+         "weight types for a QLoRA base)"),
+        (cfg.base_quant_tile is None or cfg.base_quant_tile >= 1, "base_quant_tile must be >= 1 (none: one scale "
+         "per output channel)"),
+        (cfg.base_quant_tile is None or cfg.base_quant != "none", "base_quant_tile needs base_quant"),
     ]
     for ok, message in checks:
         if not ok:

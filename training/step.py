@@ -174,6 +174,34 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _unpacked_4bit(tree) -> bool:
+    """Whether ``tree`` (abstract arrays with shardings) has 4-bit arrays (a QLoRA base's int4 or
+    nf4 values) on a backend that holds them one to a byte (XLA:CPU). A program compiled ahead of
+    time from their shapes asks for them packed and refuses such arrays; ``jax.jit`` called with
+    them compiles for what they are."""
+    import jax
+
+    four = [x for x in jax.tree.leaves(tree) if str(getattr(x, "dtype", "")) in ("int4", "uint4")]
+    return bool(four) and not _packs_4bit(four[0].sharding)
+
+
+def _packs_4bit(sharding) -> bool:
+    """Whether arrays of 4-bit values on ``sharding``'s devices are packed two to a byte."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    platform = next(iter(sharding.device_set)).platform
+    if platform not in _PACKS:
+        device = jax.local_devices(backend=platform)[0]
+        probe = jax.jit(lambda: jnp.zeros((2, 2), jnp.int4), out_shardings=SingleDeviceSharding(device))()
+        _PACKS[platform] = probe.format.layout.sub_byte_element_size_in_bits == 4
+    return _PACKS[platform]
+
+
+_PACKS: dict[str, bool] = {}
+
+
 def step_functions(graphdef, opt_graphdef, *, loss_chunk: int, schedule, dropout_seed: int | None):
     """The two step functions (plain Python, for ``jax.jit``)."""
     import jax
@@ -233,7 +261,10 @@ def compile_programs(graphdef, opt_graphdef, abstract: StepState, shardings: dic
             lora, frozen, opt, acc, jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)).compile())
         grad_c = grad.lower(lora, frozen, acc, batch, jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)).compile()
         apply_c = apply_job.result()
-    return Programs(grad_c, apply_c, {"train_grad_step": memory_of(grad_c), "train_apply_step": memory_of(apply_c)})
+    memory = {"train_grad_step": memory_of(grad_c), "train_apply_step": memory_of(apply_c)}
+    if _unpacked_4bit(frozen):  # XLA:CPU and a 4-bit base: the jitted functions, compiled at the first step
+        return Programs(grad, apply, memory)
+    return Programs(grad_c, apply_c, memory)
 
 
 def memory_of(compiled) -> dict[str, int]:

@@ -212,9 +212,12 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         return {KEY: Metadata(
             kind="lora", family=base_info.spec.name, lora=LoraRules(lora_rules, cfg.dropout),
             base=os.path.abspath(base), key_prefix=base_info.prefix, step=step, tokens_seen=tokens_seen,
-            data_state=iterator.get_state(), tunix_version=installed_tunix_version(),
+            data_state=iterator.get_state(), tunix_version=installed_tunix_version(), base_quant=base_quant,
         ).to_json()}
 
+    base_quant = None if cfg.base_quant == "none" else {
+        "scheme": cfg.base_quant, "tile": cfg.base_quant_tile, "param_dtype": cfg.param_dtype,
+        "qwix_version": _version("qwix")}
     phases["restore"] = time.perf_counter() - t_restore
     t_wait = time.perf_counter()
     try:
@@ -394,6 +397,15 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
         fits=None if limit is None else programs.peak_bytes() <= limit,
         compile_seconds=round(time.perf_counter() - t, 1), compiled=compiles.totals().by_program())
     return report
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _process_age() -> float | None:

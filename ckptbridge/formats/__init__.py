@@ -108,6 +108,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            choices=("float32", "float16", "bfloat16")),
     Option("alpha", "LoRA alpha of a Tunix or MaxText LoRA checkpoint that does not record it (scale = alpha / "
            "rank)", "float"),
+    Option("as_trained", "merge into the base as a QLoRA run held it: each LoRA module's weight quantized and "
+           "dequantized by qwix as the adapter's metadata records (scheme, tile, dtype), so that the merged model "
+           "is the model trained; default: into the base as it is", "flag"),
     # writing
     Option("max_shard_size", "largest safetensors shard (units B, KB, MB, GB, KiB, MiB, GiB)", "size",
            options.DEFAULT_MAX_SHARD_SIZE,

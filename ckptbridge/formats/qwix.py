@@ -35,14 +35,17 @@ def is_lora_a(path: tuple[str, ...]) -> bool:
 
 
 def apply_lora(model, rules: list[dict], inputs: tuple, *, seed: int = 0):
-    """Wrap ``model`` with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout]}, ...]),
-    tracing one forward on ``inputs``. A rule with dropout > 0 drops LoRA inputs on every call
+    """Wrap ``model`` with qwix LoRA following ``rules`` ([{module_path, rank, alpha[, dropout,
+    weight_qtype, tile_size]}, ...]), tracing one forward on ``inputs``. ``weight_qtype`` (QLoRA)
+    makes the matched base weights qwix QArrays: the model's parameters are then their ``qvalue``
+    and ``scale``. A rule with dropout > 0 drops LoRA inputs on every call
     (training only); its random stream is the model's ``qwix_rngs`` attribute (:func:`dropout_stream`)."""
     import qwix
     from flax import nnx
 
-    provider = qwix.LoraProvider([qwix.LoraRule(module_path=r["module_path"], rank=int(r["rank"]),
-                                                alpha=float(r["alpha"]), dropout=float(r.get("dropout", 0.0)))
+    provider = _provider([qwix.LoraRule(module_path=r["module_path"], rank=int(r["rank"]),
+                                                alpha=float(r["alpha"]), dropout=float(r.get("dropout", 0.0)),
+                                                weight_qtype=r.get("weight_qtype"), tile_size=r.get("tile_size"))
                                   for r in rules])
     originals = _set_remat_off(model)
     try:
@@ -51,6 +54,45 @@ def apply_lora(model, rules: list[dict], inputs: tuple, *, seed: int = 0):
         _restore_configs(model, originals)
     _restore_configs(lora_model, originals)
     return lora_model
+
+
+def _provider(rules: list):
+    """qwix's LoraProvider for ``rules``; for QLoRA rules (a ``weight_qtype``), one that also takes
+    ``jnp.astype`` of a quantized weight (Tunix's Einsum casts its weight with it, which qwix 0.1.8
+    does not intercept: it intercepts ``jnp.asarray`` only). ``tests/test_qlora.py`` fails when qwix
+    intercepts ``jnp.astype`` itself (this is then no longer needed)."""
+    import qwix
+
+    if not any(r.weight_qtype for r in rules):
+        return qwix.LoraProvider(rules)
+    return _QLoraProvider(rules)
+
+
+def _qlora_provider_class():
+    import jax.numpy as jnp
+    import qwix
+    from qwix._src.providers.ptq import WithAux
+
+    class QLoraProvider(qwix.LoraProvider):
+        def astype(self, x, dtype, *args, **kwargs):
+            if isinstance(x, WithAux):  # the QArray's dequantized dtype (its scale's) becomes dtype
+                return x.replace(array=x.array.astype(dtype))
+            return jnp.astype(x, dtype, *args, **kwargs)
+
+        def get_intercept_map(self):
+            return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
+
+    return QLoraProvider
+
+
+def _QLoraProvider(rules: list):  # noqa: N802  (a class made on first use: qwix is imported lazily)
+    global _QLORA_CLASS
+    if _QLORA_CLASS is None:
+        _QLORA_CLASS = _qlora_provider_class()
+    return _QLORA_CLASS(rules)
+
+
+_QLORA_CLASS = None
 
 
 def _set_remat_off(model) -> dict:
