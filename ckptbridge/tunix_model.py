@@ -19,7 +19,7 @@ import numpy as np
 
 from ckptbridge import layout, mapping
 from ckptbridge.config import ModelConfig
-from ckptbridge.errors import UnsupportedError
+from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.formats import qwix as qwix_lora
 from ckptbridge.specs import FAMILIES, FamilySpec, get_family
 from ckptbridge.specs.base import TunixModel
@@ -236,7 +236,15 @@ class TunixModelPlan:
         self.lora_rules = lora_rules
         cls = tunix_model_class(spec)
         self._build = _base_and_lora(cls, tcfg, lora_rules, seed)
-        abstract = nnx.eval_shape(self._build)
+        try:
+            abstract = nnx.eval_shape(self._build)
+        except ValueError as e:  # qwix: a quantization tile that does not divide a weight's inputs
+            if "cannot be tiled" not in str(e):
+                raise
+            tiles = sorted({int(r["tile_size"]) for r in lora_rules or [] if r.get("tile_size")})
+            raise ConfigError(f"base_quant_tile {', '.join(map(str, tiles))}: does not divide the inputs of every "
+                              f"LoRA module ({str(e).splitlines()[0][:120]}); choose a tile that divides the hidden "
+                              "size, the MLP width and the head dim") from None
         self.lora_annotations = qwix_lora.fit_lora_annotations(abstract, mesh) if (mesh is not None and lora_rules) \
             else (0, 0)
         self.graphdef, self.abstract_state = nnx.split(abstract)
@@ -259,7 +267,14 @@ class TunixModelPlan:
         return cls("(config)", cfg, get_family(cfg.family), tcfg, pdtype, mesh, lora_rules, seed)
 
     def weights_bytes(self) -> int:
-        """Bytes of the base parameters on the device(s) (the files' parameters in the parameter dtype)."""
+        """Bytes of the base parameters on the device(s): the files' parameters in the parameter
+        dtype, or, quantized (QLoRA), their quantized values (4-bit ones at half a byte) and scales."""
+        if self.quantized():
+            import jax
+            from flax import nnx
+
+            base = nnx.state(self.abstract_model(), lambda path, var: not _not_base(path, var))
+            return sum(int(np.prod(x.shape, dtype=np.int64)) * _bits(x.dtype) // 8 for x in jax.tree.leaves(base))
         entries = self.source.entries if self.source is not None else mapping.entries(self.model_config, self.spec, "")
         return sum(int(np.prod(e.tunix_shape, dtype=np.int64)) * self.param_dtype.itemsize for e in entries)
 
@@ -402,6 +417,10 @@ class _Quantizer:
         return jax.tree.map(np.asarray, _lookup(quantized, path))
 
 
+def _bits(dtype) -> int:
+    return 4 if str(dtype) in ("int4", "uint4") else np.dtype(dtype).itemsize * 8
+
+
 def _put_packed(value: np.ndarray, where):
     """:func:`put`, with 4-bit values (int4; nf4's uint4) packed two to a byte as the compiled
     programs take them: placed as 8-bit values, then narrowed on the device by a compiled cast
@@ -513,7 +532,6 @@ def load_tunix_lora_model(base: str, lora_root: str, *, step: int | None = None,
     own ``CheckpointManager.maybe_restore``. Returns ``(model, step, rules)``."""
     from tunix.sft.checkpoint_manager import CheckpointManager
 
-    from ckptbridge.errors import ConfigError
     from ckptbridge.io.orbax import resolve_checkpoint, step_custom_metadata
     from ckptbridge.metadata import KEY, Metadata
 

@@ -91,3 +91,24 @@ def test_qwix_still_needs_the_astype_interception():
 
     assert "jax.numpy.astype" not in qwix.LoraProvider([qwix.LoraRule(module_path=".*", rank=2, alpha=2.0)]) \
         .get_intercept_map()
+
+
+def test_qlora_settings_and_bad_tiles(tmp_path):
+    """The QLoRA presets build; a scheme qwix lacks and a tile that does not divide a LoRA module's
+    inputs end in one line, exit 8, before the run directory is made."""
+    from ckptbridge.errors import ConfigError
+    from ckptbridge.testing import build_checkpoint
+    from training.config import PAPER_TARGETS, build_config
+
+    assert build_config("gemma4-31b-v6e1-qlora").lora_rules(PAPER_TARGETS)[0]["weight_qtype"] == "nf4"
+    assert build_config("gemma4-31b-v5e4-qlora").tp == 4
+    with pytest.raises(ConfigError, match="base_quant 'fp3': one of none, int8, int4, nf4"):
+        build_config("tiny-cpu", None, ["base_quant=fp3"])
+    base = build_checkpoint(str(tmp_path / "hf"))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--base", base, "--out", str(out),
+                           "base_quant=int8", "base_quant_tile=7"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 8 and last.startswith("training: error: base_quant_tile=7: does not divide"), last
+    assert not out.exists()

@@ -403,7 +403,7 @@ def test_presets_and_overrides(tmp_path):
     for bad in (["rank=zero"], ["nope=1"], ["targets=fc1"], ["remat=some"]):
         with pytest.raises(ConfigError):
             build_config("tiny-cpu", None, bad)
-    assert set(PRESETS) == {"gemma4-31b-v5p8", "tiny-cpu"}
+    assert set(PRESETS) == {"gemma4-31b-v5p8", "gemma4-31b-v6e1-qlora", "gemma4-31b-v5e4-qlora", "tiny-cpu"}
 
 
 def test_mesh_rules_are_named(base):

@@ -111,6 +111,12 @@ class TrainConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "gemma4-31b-v5p8": dict(targets=PAPER_TARGETS, remat="decoder_dots"),
+    # QLoRA: the same recipe on a base held in 4 bits on one v6e chip, or in int8 on a v5e-4
+    # (on-demand list prices per hour of the slice)
+    "gemma4-31b-v6e1-qlora": dict(targets=PAPER_TARGETS, remat="decoder", base_quant="nf4", fsdp=1, tp=1,
+                                  usd_per_hour=2.70),
+    "gemma4-31b-v5e4-qlora": dict(targets=PAPER_TARGETS, remat="decoder", base_quant="int8", fsdp=1, tp=4,
+                                  usd_per_hour=4.80),
     "tiny-cpu": dict(
         rank=8, alpha=16.0, dropout=0.0, learning_rate=3e-3, warmup_steps=2, micro_batch=1, grad_accum=4,
         checkpoint_every=10, keep_checkpoints=3, fsdp=1, tp=1,

@@ -94,6 +94,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     run = Run(out)
     base_info = open_base(base)
     check_config(base_info.cfg, cfg.allow_config_mismatch, warn=False)  # before anything is written
+    check_tile(cfg, base_info.cfg)
     lora_rules = cfg.lora_rules(base_info.spec.lora_targets)
     # several processes (training/distributed.py): each feeds micro_batch rows of every global
     # micro-batch; process 0 writes the run's files, all of them write the checkpoints together
@@ -373,6 +374,7 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
         compiles.use_cache(cfg.compile_cache)
     info = open_base(base)
     check_config(info.cfg, cfg.allow_config_mismatch, warn=False)
+    check_tile(cfg, info.cfg)
     devices = topology_devices(topology) if topology else jax.devices()
     mesh = make_mesh(cfg.fsdp, cfg.tp, info.cfg, devices)
     limit, limit_source = device_memory(devices[0])
@@ -397,6 +399,22 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
         fits=None if limit is None else programs.peak_bytes() <= limit,
         compile_seconds=round(time.perf_counter() - t, 1), compiled=compiles.totals().by_program())
     return report
+
+
+def check_tile(cfg: TrainConfig, model_cfg) -> None:
+    """``base_quant_tile`` must divide the inputs of every LoRA module (the hidden size, the MLP
+    width, each layer's head dim): a ConfigError before anything is written."""
+    tile = cfg.base_quant_tile
+    if not tile:
+        return
+    sizes = {"the hidden size": model_cfg.hidden_size, "the MLP width": model_cfg.intermediate_size,
+             **{"a head dim": layer.head_dim for layer in model_cfg.layers if layer.head_dim % tile}}
+    bad = [f"{name} ({size})" for name, size in sizes.items() if size % tile]
+    if bad:
+        from ckptbridge.errors import ConfigError
+
+        raise ConfigError(f"base_quant_tile={tile}: does not divide {', '.join(bad)}; choose a tile that divides "
+                          f"{model_cfg.hidden_size}, {model_cfg.intermediate_size} and the head dims")
 
 
 def _version(package: str) -> str | None:
