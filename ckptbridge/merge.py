@@ -55,20 +55,22 @@ def add_deltas(values: np.ndarray, deltas: list[Delta], start: int) -> np.ndarra
 
 class AsTrained:
     """The weights a QLoRA run trained its LoRA modules against: qwix's quantization of the base's
-    rows in the run's parameter dtype (absmax, one scale per output row, or per ``tile`` inputs),
-    dequantized by qwix. A row's scale depends on that row alone, so row blocks give the same
-    values as whole tensors, and HF's (out, in) rows are the channels qwix keeps in Tunix's layout.
-    Needs qwix (``pip install 'ckptbridge[verify]'``); runs on the host's CPU."""
+    rows in the run's parameter dtype (absmax, one scale per output row), dequantized by qwix. A
+    row's scale depends on that row alone, so row blocks give the same values as whole tensors, and
+    HF's (out, in) rows are the channels qwix keeps in Tunix's layout. Needs qwix (``pip install
+    'ckptbridge[verify]'``); runs on the host's CPU."""
 
     def __init__(self, scheme: str, tile: int | None, param_dtype: str):
-        if scheme not in ("int8", "int4", "nf4"):
+        from ckptbridge.options import QLORA_SCHEMES
+
+        if scheme not in QLORA_SCHEMES:
             raise MismatchError(f"--as-trained: base quantization {scheme!r} is not one this version rebuilds "
-                                "(int8, int4, nf4)")
+                                f"({', '.join(QLORA_SCHEMES)})")
         if tile:  # qwix tiles the last contraction axis of Tunix's weight, and shares a tile's scale over
             # the others (the heads of an output projection): not HF's rows
             raise MismatchError(f"--as-trained: a base quantized in tiles ({tile}) is not rebuilt by this version; "
                                 "merge into the base as it is (without --as-trained)")
-        self.scheme, self.tile, self.dtype = scheme, tile, np.dtype(_dtype(param_dtype))
+        self.scheme, self.dtype = scheme, np.dtype(_dtype(param_dtype))
 
     def __call__(self, values: np.ndarray) -> np.ndarray:
         import jax
@@ -76,11 +78,8 @@ class AsTrained:
         import qwix
 
         matrix = values.reshape(-1, values.shape[-1])
-        if self.tile and matrix.shape[1] % self.tile:
-            raise MismatchError(f"--as-trained: tile {self.tile} does not divide rows of {matrix.shape[1]}")
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            q = qwix.quantize(jnp.asarray(matrix.astype(self.dtype)), self.scheme, channelwise_axes=[0],
-                              tiled_axes={1: self.tile} if self.tile else None)
+            q = qwix.quantize(jnp.asarray(matrix.astype(self.dtype)), self.scheme, channelwise_axes=[0])
             return np.asarray(qwix.dequantize(q)).reshape(values.shape)
 
 

@@ -75,3 +75,6 @@ def choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ConfigError(f"{name} {value!r}: choose one of {', '.join(choices)}")
     return value
+
+# qwix weight types a QLoRA base may be held in (training's base_quant; merge --as-trained)
+QLORA_SCHEMES = ("int8", "int4", "nf4")

@@ -192,7 +192,7 @@ def _base_and_lora(cls, tcfg, lora_rules: list[dict] | None, seed: int):
 
     def build():
         model = cls(tcfg, rngs=nnx.Rngs(params=0))
-        if lora_rules and any(r.get("weight_qtype") for r in lora_rules):
+        if quantizes(lora_rules):
             # QLoRA: qwix (0.1.8) finds the weight a LoRA belongs to by walking back from the traced
             # value through one-input operations and then matching shapes; from a traced initializer
             # the walk ends on a scalar and nnx.Linear gets no LoRA. A weight that is the sum of two
@@ -364,7 +364,7 @@ class TunixModelPlan:
 
     def quantized(self) -> bool:
         """Whether the plan's LoRA rules store the base weights they match quantized (QLoRA)."""
-        return any(r.get("weight_qtype") for r in self.lora_rules or [])
+        return quantizes(self.lora_rules)
 
     def _init_not_base(self) -> dict:
         """Initial values of what the files do not hold (LoRA factors), as a pure dict: one compiled
@@ -417,8 +417,17 @@ class _Quantizer:
         return jax.tree.map(np.asarray, _lookup(quantized, path))
 
 
+def quantizes(lora_rules: list[dict] | None) -> bool:
+    """Whether qwix LoRA ``lora_rules`` hold the base weights they match quantized (QLoRA)."""
+    return any(r.get("weight_qtype") for r in lora_rules or [])
+
+
+# dtypes of 4-bit values (int4; nf4's bucket indices, uint4)
+FOUR_BIT = ("int4", "uint4")
+
+
 def _bits(dtype) -> int:
-    return 4 if str(dtype) in ("int4", "uint4") else np.dtype(dtype).itemsize * 8
+    return 4 if str(dtype) in FOUR_BIT else np.dtype(dtype).itemsize * 8
 
 
 def _put_packed(value: np.ndarray, where):
@@ -427,7 +436,7 @@ def _put_packed(value: np.ndarray, where):
     (a host array of 4-bit values would arrive one to a byte)."""
     import jax
 
-    if str(value.dtype) not in ("int4", "uint4"):
+    if str(value.dtype) not in FOUR_BIT:
         return put(value, where)
     wide = put(value.astype(np.int8 if str(value.dtype) == "int4" else np.uint8), where)
     return jax.jit(lambda v: v.astype(value.dtype), out_shardings=wide.sharding)(wide)

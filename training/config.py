@@ -27,11 +27,12 @@ import os
 from typing import Any
 
 from ckptbridge.errors import ConfigError
+from ckptbridge.options import QLORA_SCHEMES
 from ckptbridge.specs import FAMILIES
 from training.remat import REMAT
 
 # QLoRA base types (qwix weight_qtype): int8, int4, NormalFloat4
-BASE_QUANT = ("none", "int8", "int4", "nf4")
+BASE_QUANT = ("none", *QLORA_SCHEMES)
 
 # the paper's recipe, plus k_einsum (see above)
 PAPER_TARGETS = ("q_einsum", "kv_einsum", "k_einsum", "attn_vec_einsum", "gate_proj", "up_proj", "down_proj")

@@ -181,7 +181,9 @@ def _unpacked_4bit(tree) -> bool:
     them compiles for what they are."""
     import jax
 
-    four = [x for x in jax.tree.leaves(tree) if str(getattr(x, "dtype", "")) in ("int4", "uint4")]
+    from ckptbridge.tunix_model import FOUR_BIT
+
+    four = [x for x in jax.tree.leaves(tree) if str(getattr(x, "dtype", "")) in FOUR_BIT]
     return bool(four) and not _packs_4bit(four[0].sharding)
 
 
@@ -291,9 +293,13 @@ def zeros_like(tree, shardings):
 def batch_rows(sharding, shape: tuple[int, ...]) -> tuple[int, int]:
     """The rows ``lo:hi`` of a global micro-batch of ``shape`` that this process's devices hold
     under ``sharding`` (all of them on one process, or where the batch is replicated)."""
-    spans = [(i[0].start or 0, shape[0] if i[0].stop is None else i[0].stop)
-             for i in sharding.addressable_devices_indices_map(shape).values()]
+    spans = [_rows(i[0], shape[0]) for i in sharding.addressable_devices_indices_map(shape).values()]
     return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def _rows(index: slice, n: int) -> tuple[int, int]:
+    """The rows ``(start, stop)`` a device's slice of the batch axis (of ``n`` rows) covers."""
+    return index.start or 0, n if index.stop is None else index.stop
 
 
 def global_batch(local: dict, sharding, shape: tuple[int, ...], lo: int) -> dict:
@@ -305,9 +311,11 @@ def global_batch(local: dict, sharding, shape: tuple[int, ...], lo: int) -> dict
         value = np.asarray(value, np.int32)
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
-        return jax.make_array_from_callback(shape, sharding, lambda index: value[(
-            slice((index[0].start or 0) - lo, (shape[0] if index[0].stop is None else index[0].stop) - lo),
-            *index[1:])])
+        def rows(index):
+            start, stop = _rows(index[0], shape[0])
+            return value[(slice(start - lo, stop - lo), *index[1:])]
+
+        return jax.make_array_from_callback(shape, sharding, rows)
 
     return {k: array(v) for k, v in local.items()}
 

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from ckptbridge.deps import installed_version
 from ckptbridge.metadata import KEY, LoraRules, Metadata, installed_tunix_version
 from training import data as data_lib
 from training.config import TrainConfig
@@ -119,8 +120,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         from ckptbridge.errors import ConfigError
 
         raise ConfigError(f"{data_path}: no row fits max_length={cfg.max_length} ({encoded.dropped_too_long} too long)")
-    batch_rows = cfg.micro_batch * processes  # the global micro-batch
-    pipe_args = dict(seq_len=cfg.max_length, batch=batch_rows, packing=cfg.packing, seed=cfg.seed,
+    global_rows = cfg.micro_batch * processes  # the global micro-batch
+    pipe_args = dict(seq_len=cfg.max_length, batch=global_rows, packing=cfg.packing, seed=cfg.seed,
                      epochs=cfg.epochs, num_packing_bins=cfg.num_packing_bins)
     micro_batches, real_tokens = data_lib.count_batches(encoded.examples, **pipe_args)
     total_steps = max(1, micro_batches // cfg.grad_accum)
@@ -129,7 +130,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     log.info("data: %d rows, %d encoded (%d dropped over %d tokens, %d empty), %d tokens; %d micro-batches -> "
              "%d optimizer steps; real-token fraction %.3f", encoded.rows, len(encoded.examples),
              encoded.dropped_too_long, cfg.max_length, encoded.dropped_empty, encoded.tokens, micro_batches,
-             total_steps, real_tokens / max(1, micro_batches * batch_rows * cfg.max_length))
+             total_steps, real_tokens / max(1, micro_batches * global_rows * cfg.max_length))
 
     # model: planned, programs compiled from the plan while the weights load
     phases["data"] = time.perf_counter() - t_data
@@ -139,8 +140,8 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         log.info("base has %s towers: training the text model (Tunix builds it alone)", ", ".join(base_info.cfg.towers))
     tx, schedule = step_lib.optimizer_of(cfg, total_steps)
     rules = [dict(r, dropout=cfg.dropout) for r in lora_rules]
-    batch_sharding = step_lib.batch_sharding(mesh, batch_rows)
-    batch_shape = (batch_rows, cfg.max_length)
+    batch_sharding = step_lib.batch_sharding(mesh, global_rows)
+    batch_shape = (global_rows, cfg.max_length)
     my_rows = step_lib.batch_rows(batch_sharding, batch_shape)
     compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
     with open_tunix_model(base, mesh=mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
@@ -218,7 +219,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     base_quant = None if cfg.base_quant == "none" else {
         "scheme": cfg.base_quant, "tile": cfg.base_quant_tile, "param_dtype": cfg.param_dtype,
-        "qwix_version": _version("qwix")}
+        "qwix_version": installed_version("qwix")}
     phases["restore"] = time.perf_counter() - t_restore
     t_wait = time.perf_counter()
     try:
@@ -234,7 +235,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
         for name, row in startup.by_program().items() if row["seconds"] >= 0.05) or "nothing", compile_wait)
 
     bar = _progress(total_steps, step, progress) if primary else None
-    seq_tokens = batch_rows * cfg.max_length
+    seq_tokens = global_rows * cfg.max_length
     first_step_seconds = None  # from the start of this session to the end of its first step
     start_step = step
     with open(run.metrics if primary else os.devnull, "a") as metrics_file:
@@ -415,15 +416,6 @@ def check_tile(cfg: TrainConfig, model_cfg) -> None:
 
         raise ConfigError(f"base_quant_tile={tile}: does not divide {', '.join(bad)}; choose a tile that divides "
                           f"{model_cfg.hidden_size}, {model_cfg.intermediate_size} and the head dims")
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _process_age() -> float | None:

@@ -11,6 +11,7 @@ when qwix changes them. qwix itself is imported only by the functions that need 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -65,10 +66,12 @@ def _provider(rules: list):
 
     if not any(r.weight_qtype for r in rules):
         return qwix.LoraProvider(rules)
-    return _QLoraProvider(rules)
+    return _qlora_provider_class()(rules)
 
 
+@functools.cache
 def _qlora_provider_class():
+    """The provider class (made on first use: qwix is imported lazily)."""
     import jax.numpy as jnp
     import qwix
     from qwix._src.providers.ptq import WithAux
@@ -83,16 +86,6 @@ def _qlora_provider_class():
             return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
 
     return QLoraProvider
-
-
-def _QLoraProvider(rules: list):  # noqa: N802  (a class made on first use: qwix is imported lazily)
-    global _QLORA_CLASS
-    if _QLORA_CLASS is None:
-        _QLORA_CLASS = _qlora_provider_class()
-    return _QLORA_CLASS(rules)
-
-
-_QLORA_CLASS = None
 
 
 def _set_remat_off(model) -> dict:
