@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import tempfile
 
@@ -33,6 +32,7 @@ from ckptbridge.formats import peft
 from ckptbridge.formats.tunix_lora import open_orbax_lora
 from ckptbridge.io.files import read_json_object
 from ckptbridge.lora.base import Base, open_base
+from ckptbridge.metadata import KEY, Metadata
 from ckptbridge.options import EXACT_TOLERANCE, LIVE_TOLERANCE, TARGETS
 from ckptbridge.report import Report
 from ckptbridge.verify import adapter_kind, as_peft, prompt_ids
@@ -137,6 +137,17 @@ def _check_recorded_base(lint: Lint, base: Base, recorded: str | None, where: st
                                  f"{base_cfg.get('architectures')}: the same text model under another class")
 
 
+def _note_base_quant(lint: Lint, record: dict | None, where: str, base: Base) -> None:
+    """An adapter trained on a quantized base (QLoRA): said, with how to reproduce the trained model."""
+    if not record:
+        return
+    from ckptbridge.model_card import quant_line
+
+    lint.add("info", "base-quant", f"{where}: trained against the {quant_line(record)}; on BASE as it is (PEFT, "
+                                   "vLLM, a plain merge) it computes slightly differently from the trained model; "
+                                   f"`ckptbridge merge {base.path} {lint.adapter} MERGED --as-trained` reproduces it")
+
+
 def _values_check(lint: Lint, arrays, where: str) -> None:
     """Factors must be finite, and some lora_B (and its A) non-zero, or the adapter does nothing."""
     zero, bad, total = [], [], 0
@@ -215,6 +226,7 @@ def _lint_orbax(lint: Lint, b: Base, step: int | None, alpha: float | None) -> N
         lint.modules = sum(len(m.hf_modules) for m in ad.scaling)
         lint.max_rank = max(sc.rank for sc in ad.scaling.values())
         _check_recorded_base(lint, b, ad.metadata.base, ad.path)
+        _note_base_quant(lint, ad.base_quant, ad.path, b)
         _values_check(lint, (("/".join(m.path), *f) for m, f in ad.module_factors()), ad.path)
         if lint.target == "vllm":
             aliased = [m for m in ad.scaling if m.vllm_aliases]
@@ -257,11 +269,8 @@ def _lint_peft(lint: Lint, b: Base) -> None:
                                    "re-save with save_pretrained(..., safe_serialization=True)")
         raise InputNotFoundError(f"{src}: no {peft.ADAPTER_WEIGHTS}")
     with SafetensorsFile(check_inside(src, weights)) as f:
-        meta = (f.metadata or {}).get("ckptbridge")
-        try:
-            source = json.loads(meta).get("source") if meta else None
-        except (ValueError, AttributeError):
-            source = None
+        source = Metadata.from_json((f.metadata or {}).get(KEY)).source
+        _note_base_quant(lint, peft.base_quant_of(src, f.metadata or {}), src, b)
         modules: dict[str, list] = {}
         others = []
         for key in f.keys():

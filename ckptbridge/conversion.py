@@ -106,7 +106,7 @@ def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: flo
     ``as_trained``, the weights of the adapters' modules are first the QLoRA base they were trained
     against (:class:`ckptbridge.merge.AsTrained`, from the adapters' ``base_quant`` metadata)."""
     from ckptbridge.lora.base import make_base
-    from ckptbridge.merge import AsTrained, Deltas, Merged, collect_deltas
+    from ckptbridge.merge import AsTrained, Deltas, Merged, check_trained_base, collect_deltas
 
     base = make_base(rows.path, rows.cfg, rows.spec, rows.prefix)
     keys = set(rows.hf_keys())
@@ -115,14 +115,15 @@ def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: flo
     for name in adapters:
         with open_adapter(name, base, step=step, alpha=alpha) as ad:
             collect_deltas(keys, ad, name, deltas)
-            meta = getattr(ad, "metadata", None)
-            found = getattr(meta, "base_quant", None)
+            found = ad.base_quant
             if as_trained and not found:
-                raise ConfigError(f"--as-trained: {name} was not trained on a quantized base (its metadata records "
-                                  "no base_quant); merge it without --as-trained")
+                raise ConfigError(f"--as-trained: {name} was not trained on a quantized base (it records no "
+                                  "base_quant); merge it without --as-trained")
             if found:
                 quant.append(found)
-    if as_trained and any(q != quant[0] for q in quant):
+                if as_trained:
+                    check_trained_base(rows, found, name)
+    if as_trained and any(_as_trained_fields(q) != _as_trained_fields(quant[0]) for q in quant):
         raise ConfigError("--as-trained: the adapters were trained on differently quantized bases; merge them "
                           "one at a time")
     return Merged(rows, deltas, AsTrained(**_as_trained_fields(quant[0])) if as_trained else None)

@@ -20,7 +20,7 @@ from ckptbridge.errors import InputNotFoundError
 # what each kind of input needs from a repository
 MODEL = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.model", "*.jinja", "*.txt", "*.tiktoken")
 CONFIG = ("config.json", "*.safetensors.index.json")
-ADAPTER = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER = ("adapter_config.json", "adapter_model.safetensors", "base_quant.json")  # the last: a QLoRA adapter's record
 IGNORE = ("original/*", "*/original/*", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.onnx")
 
 _ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")

@@ -83,6 +83,42 @@ class AsTrained:
             return np.asarray(qwix.dequantize(q)).reshape(values.shape)
 
 
+def base_digest(rows: ModelRows) -> str | None:
+    """A digest of the weights of ``rows``' LoRA-able modules: the first row of each (HF layout, as
+    float32), by key without the source's prefix. A QLoRA run records it with its base quantization,
+    and ``merge --as-trained`` compares it with the base it is given, so that another base of the
+    same shapes (another fine-tune) is refused rather than merged into silently. None for a source
+    that cannot read a row on its own (an Orbax checkpoint)."""
+    import hashlib
+
+    from ckptbridge.lora.base import make_base
+
+    if not rows.row_addressable:
+        return None
+    base = make_base(rows.path, rows.cfg, rows.spec, rows.prefix)
+    held = set(rows.hf_keys())
+    keys = sorted((k for k in map(base.weight_key, base.by_hf_module()) if k in held),
+                  key=lambda k: k[len(rows.prefix):])
+    digest = hashlib.blake2b(digest_size=16)
+    for key in keys:
+        digest.update(key[len(rows.prefix):].encode())
+        digest.update(np.ascontiguousarray(rows.key_rows(key, 0, 1), np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def check_trained_base(rows: ModelRows, record: dict, adapter: str) -> None:
+    """Refuse, in one line, a base other than the one ``adapter``'s QLoRA run quantized (its
+    ``base_digest``; nothing to compare where the run or this source could not take one)."""
+    recorded = record.get("base_digest")
+    if not recorded:
+        return
+    found = base_digest(rows)
+    if found is not None and found != recorded:
+        raise MismatchError(f"--as-trained: {rows.path} is not the base {adapter} was trained on (the weights of its "
+                            f"LoRA modules differ: digest {found}, the run recorded {recorded}); merge into the base "
+                            "the run quantized, or leave out --as-trained")
+
+
 def _dtype(name: str):
     import ml_dtypes
 

@@ -90,7 +90,7 @@ def installed_version(package: str) -> str | None:
 
 def adapter_card(*, base_id: str | None, base_path: str, source: str, step: int | None, rank: int,
                  alpha: float, patterns: int, target_modules: list[str], target: str, family: str,
-                 peft_version: str | None = None) -> str:
+                 peft_version: str | None = None, base_quant: dict | None = None) -> str:
     """README.md of a PEFT adapter exported from a Tunix/qwix LoRA checkpoint."""
     base = base_id or os.path.abspath(base_path)
     meta: dict = {}
@@ -113,7 +113,9 @@ def adapter_card(*, base_id: str | None, base_path: str, source: str, step: int 
             ("per-module ranks/alphas", f"{patterns} modules (`rank_pattern` / `alpha_pattern`)" if patterns else ""),
             ("target modules", ", ".join(f"`{m}`" for m in target_modules)),
             ("exported for", {"vllm": "vLLM (`--target vllm`)", "hf": "transformers + PEFT"}.get(target, target)),
+            ("trained against (QLoRA)", quant_line(base_quant) if base_quant else ""),
         ]),
+        _qlora_section(base) if base_quant else "",
         "\n## Use\n\n```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
         f"base = AutoModelForCausalLM.from_pretrained({json.dumps(base)})\n"
         "model = PeftModel.from_pretrained(base, \"path/or/id/of/this/adapter\")\n```\n",
@@ -122,6 +124,21 @@ def adapter_card(*, base_id: str | None, base_path: str, source: str, step: int 
         f"- ckptbridge {_version()}\n",
     ]
     return "".join(text)
+
+
+def quant_line(record: dict) -> str:
+    """One line of how a QLoRA run held its base, e.g. ``nf4 quantization of the base (qwix 0.1.8)``."""
+    tile = f", tiles of {record['tile']}" if record.get("tile") else ""
+    version = f"qwix {record['qwix_version']}" if record.get("qwix_version") else "qwix"
+    return f"{record.get('scheme')} quantization of the base ({version}{tile}, {record.get('param_dtype')} scales)"
+
+
+def _qlora_section(base: str) -> str:
+    return ("\n## Trained on a quantized base\n\n"
+            "The training run held the base quantized (`base_quant.json` says how). On the base as it is, as above, "
+            "the adapter computes slightly differently from the trained model (the usual QLoRA practice). To "
+            "reproduce the trained model exactly, merge it into the base quantized as the run held it:\n\n"
+            f"```bash\nckptbridge merge {base} path/of/this/adapter MERGED --as-trained\n```\n")
 
 
 def _model_meta(base_id: str | None, relation: str, tags: list[str]) -> dict:

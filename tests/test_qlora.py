@@ -1,6 +1,7 @@
 """QLoRA: a LoRA trained on a base that qwix holds quantized (``base_quant``), exported and merged
 exactly: the merged model of ``merge --as-trained`` is the model trained."""
 
+import json
 import os
 import subprocess
 import sys
@@ -20,11 +21,30 @@ def _train(base: str, out: str, scheme: str, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def qlora_runs(tmp_path_factory):
+    """QLoRA runs on tiny random bases, each trained once for the module's tests: ``get(family,
+    scheme, tile)`` -> (base directory, checkpoints directory)."""
+    from ckptbridge.testing import build_checkpoint
+
+    made: dict = {}
+
+    def get(family: str, scheme: str, tile: int | None = None) -> tuple[str, str]:
+        if (family, scheme, tile) not in made:
+            root = tmp_path_factory.mktemp(f"qlora-{family}-{scheme}")
+            base = build_checkpoint(str(root / "hf"), family=family)
+            _train(base, str(root / "run"), scheme, *([f"base_quant_tile={tile}"] if tile else []))
+            made[family, scheme, tile] = base, str(root / "run" / "checkpoints")
+        return made[family, scheme, tile]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.pinned_only
 @pytest.mark.parametrize("family,scheme,tile", [("gemma4", "int8", None), ("gemma4", "nf4", None),
                                                 ("qwen3", "int4", None)])
-def test_merge_as_trained_is_the_model_trained(tmp_path, family, scheme, tile):
+def test_merge_as_trained_is_the_model_trained(qlora_runs, tmp_path, family, scheme, tile):
     """Tunix's logits of the QLoRA model (qwix's quantized base + the trained LoRA, float32) equal
     transformers' logits of ``merge --as-trained`` within 1e-5 relative; the merge into the base
     as it is differs by the quantization (reported, not zero); the checkpoint records the scheme;
@@ -34,21 +54,17 @@ def test_merge_as_trained_is_the_model_trained(tmp_path, family, scheme, tile):
     from ckptbridge import merge_lora
     from ckptbridge.merge import AsTrained
     from ckptbridge.metadata import KEY, Metadata
-    from ckptbridge.testing import build_checkpoint
     from ckptbridge.tunix_model import load_tunix_lora_model
     from ckptbridge.verify import hf_logits, rel_l2, tunix_logits
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    base = build_checkpoint(str(tmp_path / "hf"), family=family)
-    run = str(tmp_path / "run")
-    _train(base, run, scheme, *([f"base_quant_tile={tile}"] if tile else []))
-    ckpts = os.path.join(run, "checkpoints")
-    import json
+    base, ckpts = qlora_runs(family, scheme, tile)
 
     with open(os.path.join(ckpts, "2", "_CHECKPOINT_METADATA")) as f:
         meta = Metadata.from_json(json.load(f)["custom_metadata"][KEY])
     assert meta.base_quant["scheme"] == scheme and meta.base_quant["tile"] == tile
     assert meta.base_quant["param_dtype"] == "float32" and meta.base_quant["qwix_version"]
+    assert len(meta.base_quant["base_digest"]) == 32
 
     as_trained, plain = str(tmp_path / "as-trained"), str(tmp_path / "plain")
     merge_lora(base, ckpts, as_trained, as_trained=True, progress=False)
@@ -69,6 +85,78 @@ def test_merge_as_trained_is_the_model_trained(tmp_path, family, scheme, tile):
     hf = load_file(os.path.join(base, "model.safetensors"))
     key = next(k for k in hf if ".layers.0.mlp.up_proj.weight" in k)
     np.testing.assert_array_equal(AsTrained(scheme, tile, "float32")(hf[key]), trained.T)
+
+
+@pytest.mark.slow
+@pytest.mark.pinned_only
+def test_peft_export_of_a_qlora_run(qlora_runs, tmp_path):
+    """The PEFT export of a QLoRA run records its quantized base beside the adapter (base_quant.json,
+    the weights' header, the model card), not in adapter_config.json, and PEFT loads it; ``merge
+    --as-trained`` of the export writes the same tensors as of the checkpoint; ``verify adapter``
+    and ``inspect`` say it; ``verify logits`` between the two merges gives their gap in one line; a
+    base other than the one trained on is refused in one line, nothing written."""
+    import shutil
+
+    from conftest import run_cli
+    from safetensors.numpy import load_file, save_file
+
+    from ckptbridge.verify import hf_logits, rel_l2
+
+    base, ckpts = qlora_runs("gemma4", "nf4")
+    peft_dir, from_peft, from_orbax, plain = (str(tmp_path / n) for n in ("peft", "m-peft", "m-orbax", "m-plain"))
+    for args in (("convert", ckpts, peft_dir, "--to", "peft", "--base", base),
+                 ("merge", base, peft_dir, from_peft, "--as-trained"),
+                 ("merge", base, ckpts, from_orbax, "--as-trained"), ("merge", base, peft_dir, plain)):
+        proc = run_cli(*args, "--quiet")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(peft_dir, "base_quant.json")) as f:
+        record = json.load(f)
+    assert record["scheme"] == "nf4" and record["tile"] is None and len(record["base_digest"]) == 32
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        assert "base_quant" not in json.load(f)
+    with open(os.path.join(peft_dir, "README.md")) as f:
+        assert "--as-trained" in f.read()
+    from ckptbridge import convert
+    from ckptbridge.conversion import open_adapter
+    from ckptbridge.lora.base import open_base
+
+    for fmt in ("tunix-lora", "maxtext-lora"):  # the record travels through every adapter format
+        again = str(tmp_path / fmt)
+        convert(peft_dir, again, to=fmt, base=base, progress=False)
+        with open_adapter(again, open_base(base)) as ad:
+            assert ad.base_quant == record, fmt
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (from_peft, from_orbax))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), peft_dir)
+    assert sum("lora_A" in n for n, _ in model.named_parameters()) > 0
+
+    lint = json.loads(run_cli("verify", "adapter", peft_dir, "--base", base, "--lint-only", "--json").stdout)
+    said = [f["message"] for f in lint["lint"]["findings"] if f["check"] == "base-quant"]
+    assert len(said) == 1 and "nf4 quantization of the base" in said[0] and "--as-trained" in said[0], lint
+    inspected = json.loads(run_cli("inspect", peft_dir, "--json").stdout)
+    assert inspected["ckptbridge"]["base_quant"]["scheme"] == "nf4"
+
+    proc = run_cli("verify", "logits", plain, "--tunix", from_orbax)
+    tokens = np.random.default_rng(0).integers(0, 300, size=(2, 11))
+    assert rel_l2(hf_logits(plain, tokens), hf_logits(from_orbax, tokens)) > 1e-5
+    line = [ln for ln in proc.stdout.splitlines() if "relative L2" in ln]
+    assert proc.returncode == 6 and len(line) == 1, proc.stdout  # the gap, over the tolerance
+
+    other = str(tmp_path / "other")
+    shutil.copytree(base, other)
+    weights = load_file(os.path.join(other, "model.safetensors"))
+    key = next(k for k in weights if k.endswith("layers.0.mlp.up_proj.weight"))
+    weights[key] = weights[key] * np.float32(1.01)
+    save_file(weights, os.path.join(other, "model.safetensors"))
+    proc = run_cli("merge", other, peft_dir, str(tmp_path / "m-other"), "--as-trained")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "is not the base" in last and len(proc.stderr.strip().splitlines()) == 1, last
+    assert not os.path.exists(tmp_path / "m-other")
 
 
 def test_as_trained_needs_a_qlora_adapter(tmp_path):
@@ -100,7 +188,7 @@ def test_qlora_settings_and_bad_tiles(tmp_path):
     from ckptbridge.testing import build_checkpoint
     from training.config import PAPER_TARGETS, build_config
 
-    assert build_config("gemma4-31b-v6e1-qlora").lora_rules(PAPER_TARGETS)[0]["weight_qtype"] == "nf4"
+    assert build_config("gemma4-31b-v6e1-qlora").lora_rules(PAPER_TARGETS)[0]["weight_qtype"] == "int4"
     assert build_config("gemma4-31b-v5e4-qlora").tp == 4
     with pytest.raises(ConfigError, match="base_quant 'fp3': one of none, int8, int4, nf4"):
         build_config("tiny-cpu", None, ["base_quant=fp3"])

@@ -328,17 +328,33 @@ def test_memory_of_one_decoder_layer_at_31b_width():
     decoder layer adds at most 0.25 GB beyond its weights (it keeps its input, 3072 x 5376
     values), and no program returns or copies a weight (the step held a copy of every base weight
     in its outputs); decoder_dots keeps the layer's projections (about (q + kv + o + 2F + D) x 3072
-    values), which shows that the analysis sees what a layer keeps for the backward pass."""
-    beyond = {}
+    values), which shows that the analysis sees what a layer keeps for the backward pass.
+
+    QLoRA (base_quant=int4, remat=decoder): the layer's weights as XLA holds them (its argument
+    bytes: 4-bit values packed two to a byte, their scales, the LoRA factors and their gradient sums)
+    take at most 0.3x of the bf16 step's (the float32 step's, its weights at two bytes a value).
+    XLA:CPU's temporaries then grow by a float32 dequantized weight a layer, for every scheme alike
+    (0.45 GB), which a TPU's compiler does not keep: the whole cost a layer adds on a v6e chip (0.263x
+    of bf16's) is benchmarks/qlora_memory.py's, ahead of time with libtpu."""
+    beyond, layer = {}, {}
     for remat in ("decoder", "decoder_dots"):
         two, three = step_memory(2, f"remat={remat}"), step_memory(3, f"remat={remat}")
         for m in (two, three):
             assert m["output"] - m["alias"] < 0.2e9, (remat, m)  # LoRA gradients and scalars only
         beyond[remat] = (three["temp"] + three["output"]) - (two["temp"] + two["output"])
+        layer[remat] = {k: three[k] - two[k] for k in ("weights", "argument", "temp")}
     gb = {k: round(v / 1e9, 3) for k, v in beyond.items()}
     assert beyond["decoder"] <= 0.25e9, gb
     kept = (8192 + 2 * 4096 + 5376 + 2 * 21504 + 5376) * 3072 * 4  # q, k+v, o, gate+up, down: float32
     assert 0.8 * kept <= beyond["decoder_dots"] - beyond["decoder"] <= 1.3 * kept, gb
+
+    two, three = step_memory(2, "remat=decoder", "base_quant=int4"), step_memory(3, "remat=decoder", "base_quant=int4")
+    int4 = {k: three[k] - two[k] for k in ("weights", "argument", "temp")}
+    plain = layer["decoder"]
+    lora = plain["argument"] - plain["weights"]  # the layer's LoRA factors and their gradient sums
+    assert int4["weights"] * 3.9 <= plain["weights"] / 2 <= int4["weights"] * 4.1, (int4, plain)  # all of it in 4 bits
+    assert int4["argument"] <= 0.3 * (plain["weights"] / 2 + lora), (int4, plain)
+    assert int4["argument"] - int4["weights"] == lora, (int4, plain)
 
 
 @pytest.mark.parametrize("name", ["keqv_lm_f32_sharded", "gemma4_e2b", "qwen3_moe", "qwen3_untied", "llama3_tied",

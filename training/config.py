@@ -113,8 +113,10 @@ class TrainConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     "gemma4-31b-v5p8": dict(targets=PAPER_TARGETS, remat="decoder_dots"),
     # QLoRA: the same recipe on a base held in 4 bits on one v6e chip, or in int8 on a v5e-4
-    # (on-demand list prices per hour of the slice)
-    "gemma4-31b-v6e1-qlora": dict(targets=PAPER_TARGETS, remat="decoder", base_quant="nf4", fsdp=1, tp=1,
+    # (on-demand list prices per hour of the slice). int4, not nf4: qwix dequantizes nf4 with a
+    # table lookup that XLA keeps as a full-size copy of each weight (0.83 GB more a 31B layer on
+    # a v6e, docs/benchmarks.md), so that an nf4 31B does not fit one chip
+    "gemma4-31b-v6e1-qlora": dict(targets=PAPER_TARGETS, remat="decoder", base_quant="int4", fsdp=1, tp=1,
                                   usd_per_hour=2.70),
     "gemma4-31b-v5e4-qlora": dict(targets=PAPER_TARGETS, remat="decoder", base_quant="int8", fsdp=1, tp=4,
                                   usd_per_hour=4.80),

@@ -195,7 +195,10 @@ def _packs_4bit(sharding) -> bool:
 
     platform = next(iter(sharding.device_set)).platform
     if platform not in _PACKS:
-        device = jax.local_devices(backend=platform)[0]
+        try:
+            device = jax.local_devices(backend=platform)[0]
+        except RuntimeError:  # a TPU slice compiled for without its chips: nothing runs here
+            return True
         probe = jax.jit(lambda: jnp.zeros((2, 2), jnp.int4), out_shardings=SingleDeviceSharding(device))()
         _PACKS[platform] = probe.format.layout.sub_byte_element_size_in_bits == 4
     return _PACKS[platform]
@@ -267,6 +270,18 @@ def compile_programs(graphdef, opt_graphdef, abstract: StepState, shardings: dic
     if _unpacked_4bit(frozen):  # XLA:CPU and a 4-bit base: the jitted functions, compiled at the first step
         return Programs(grad, apply, memory)
     return Programs(grad_c, apply_c, memory)
+
+
+def flops_of(compiled, tokens: int) -> float | None:
+    """FLOPs per token of a compiled program by XLA's cost analysis (None where it gives none)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # a function compiled at its first call (jit) or a backend without the analysis
+        return None
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    flops = (cost or {}).get("flops")
+    return None if not flops or flops < 0 else float(flops) / tokens
 
 
 def memory_of(compiled) -> dict[str, int]:

@@ -219,7 +219,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     base_quant = None if cfg.base_quant == "none" else {
         "scheme": cfg.base_quant, "tile": cfg.base_quant_tile, "param_dtype": cfg.param_dtype,
-        "qwix_version": installed_version("qwix")}
+        "qwix_version": installed_version("qwix"), "base_digest": _base_digest(base)}
     phases["restore"] = time.perf_counter() - t_restore
     t_wait = time.perf_counter()
     try:
@@ -357,6 +357,17 @@ def _memory_line(memory: dict) -> str:
             f"{gb(grad.get('temp'))})" + (f" of {gb(limit)}" if limit else ""))
 
 
+def _base_digest(base: str) -> str | None:
+    """:func:`ckptbridge.merge.base_digest` of an HF base (None for an Orbax one)."""
+    from ckptbridge.formats.hf import is_hf_directory, open_hf_source
+    from ckptbridge.merge import base_digest
+
+    if not is_hf_directory(base):
+        return None
+    with open_hf_source(base, skip_multimodal=True) as rows:
+        return base_digest(rows)
+
+
 def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict:
     """Plan the run and compile its step programs from the base's config alone (no weight or data
     read; the base may be a directory with its config.json only), for the devices here or for a
@@ -395,10 +406,20 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
             raise
         line = next((ln.strip() for ln in text.splitlines() if "memory" in ln.lower()), text.splitlines()[0])
         return {**report, "fits": False, "compiler": line[:400], "compile_seconds": round(time.perf_counter() - t, 1)}
+    from training import throughput
+
+    tokens = cfg.micro_batch * hosts * cfg.max_length  # of one micro-batch, every host's
+    from flax import nnx
+
+    lora_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(plan.abstract_model(), nnx.LoRAParam)))
     report.update(
         weights_bytes=plan.weights_bytes(), programs=programs.memory, step_peak_bytes=programs.peak_bytes(),
         fits=None if limit is None else programs.peak_bytes() <= limit,
-        compile_seconds=round(time.perf_counter() - t, 1), compiled=compiles.totals().by_program())
+        compile_seconds=round(time.perf_counter() - t, 1), compiled=compiles.totals().by_program(),
+        # the count behind MFU, and what XLA's cost analysis counts in one device's gradient program
+        # (rematerialisation, the attention Tunix computes in full, dequantization included)
+        model_flops_per_token=throughput.lora_step_flops(info.cfg, info.spec, cfg.max_length, lora_params).total,
+        xla_flops_per_token_per_device=step_lib.flops_of(programs.grad, tokens))
     return report
 
 

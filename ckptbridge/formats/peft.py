@@ -58,6 +58,10 @@ def next_rank(rank: int) -> int:
     return next((r for r in LORA_RANKS if r >= rank), rank)
 
 ADAPTER_CONFIG = "adapter_config.json"
+# Beside an adapter trained on a quantized base (QLoRA): how the run held the base. PEFT warns on
+# keys of adapter_config.json it does not know, so the record is a file of its own (and a copy in
+# the weights' header, which PEFT and vLLM do not read).
+BASE_QUANT_FILE = "base_quant.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # a LoRA factor's key after PEFT_PREFIX: <module>.lora_A[.<adapter name>].weight
 FACTOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
@@ -307,6 +311,10 @@ class PeftLora(AdapterRows):
     def dropout(self) -> float:
         return float(self.config.lora_dropout or 0.0)
 
+    @property
+    def base_quant(self) -> dict | None:
+        return base_quant_of(self.path, self.file.metadata)
+
     def names(self) -> list[str]:
         return list(self.keys)
 
@@ -331,6 +339,25 @@ class PeftLora(AdapterRows):
 
     def close(self) -> None:
         self.file.close()
+
+
+def base_quant_of(src: str, header: dict) -> dict | None:
+    """How adapter directory ``src``'s QLoRA run held its base: ckptbridge's record in the weights'
+    ``header`` (their metadata), else :data:`BASE_QUANT_FILE`; None: a plain base."""
+    found = Metadata.from_json(header.get(KEY)).base_quant
+    if found is None and os.path.isfile(os.path.join(src, BASE_QUANT_FILE)):
+        found = read_base_quant(src)
+    return found
+
+
+def read_base_quant(src: str) -> dict:
+    """:data:`BASE_QUANT_FILE` of adapter directory ``src``: how its QLoRA run held the base."""
+    where = os.path.join(src, BASE_QUANT_FILE)
+    record = read_json_object(where, "re-export the adapter with `ckptbridge convert`")
+    if not isinstance(record.get("scheme"), str):
+        raise CorruptFileError(f"{where}: no quantization scheme (\"scheme\"); re-export the adapter with "
+                               "`ckptbridge convert`")
+    return record
 
 
 def open_peft_lora(src: str, base: Base) -> PeftLora:
@@ -649,9 +676,10 @@ def write(ad: AdapterRows, dst: str, req: Request, *, target: str = "hf",
         base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=ad.step,
         rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
         target_modules=sorted({n.rsplit(".", 1)[-1] for n in names}), target=target, family=b.spec.name,
-        peft_version=model_card.installed_version("peft"))
+        peft_version=model_card.installed_version("peft"), base_quant=ad.base_quant)
+    quant = ad.base_quant
     meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=storage.absolute(ad.path),
-                                     base=os.path.abspath(b.path)).to_json())}
+                                     base=os.path.abspath(b.path), base_quant=quant).to_json())}
     total = sum(t.nbytes for t in tensors)
     bar = Progress(total, req.desc, enabled=req.progress)
     with atomic_directory(dst, req.overwrite) as tmp:
@@ -660,6 +688,10 @@ def write(ad: AdapterRows, dst: str, req: Request, *, target: str = "hf",
         config.write(tmp)
         with open(os.path.join(tmp, model_card.FILENAME), "w") as f:
             f.write(card)
+        if quant:
+            with open(os.path.join(tmp, BASE_QUANT_FILE), "w") as f:
+                json.dump(quant, f, indent=2)
+                f.write("\n")
     bar.close()
     return PeftExportReport(
         direction=req.direction, source=ad.path, destination=dst, family=b.spec.name, key_prefix=b.prefix,

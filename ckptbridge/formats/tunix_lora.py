@@ -95,6 +95,10 @@ class OrbaxLora(ModuleLora):
         return self.metadata.lora.dropout if self.metadata.lora else 0.0
 
     @property
+    def base_quant(self) -> dict | None:
+        return self.metadata.base_quant
+
+    @property
     def step(self) -> int | None:
         """The training step: recorded, or the name of the step directory."""
         if self.metadata.step is not None:
@@ -346,7 +350,7 @@ def write(ad: AdapterRows, dst: str, req: Request, *, kv: str = "exact", save_st
     meta = {KEY: Metadata(
         kind="lora", family=b.spec.name, lora=LoraRules(rules, float(ad.dropout or 0.0)),
         base=os.path.abspath(b.path), key_prefix=b.prefix, source=storage.absolute(ad.path), kv=kv,
-        tunix_version=installed_tunix_version(),
+        tunix_version=installed_tunix_version(), base_quant=ad.base_quant,
     ).to_json()}
     bar = progress_over(flat.values(), req.desc, req.progress)
     total = bar.total

@@ -47,6 +47,12 @@ class AdapterRows(Opened):
         """The training step the adapter was saved at, where it says."""
         return None
 
+    @property
+    def base_quant(self) -> dict | None:
+        """How the QLoRA run that trained the adapter held its base (``scheme``, ``tile``,
+        ``param_dtype``, ``qwix_version``, ``base_digest``), where it says; None: a plain base."""
+        return None
+
     def names(self) -> list[str]:
         raise NotImplementedError
 

@@ -146,8 +146,10 @@ class MaxTextLora(ModuleLora):
 
     def __init__(self, path: str, ckpt: orbax_io.OrbaxCheckpoint, base: Base, tree: maxtext.Tree,
                  factors: list[tuple[FactorLeaves, tuple[int, ...]]], scaling: dict[LoraModule, Scaling],
-                 step: int | None, leading: set[FactorLeaves] | None = None, batch_bytes: int = 32 << 20):
+                 step: int | None, leading: set[FactorLeaves] | None = None, batch_bytes: int = 32 << 20,
+                 base_quant: dict | None = None):
         self.path, self.ckpt, self.base, self.tree = path, ckpt, base, tree
+        self._base_quant = base_quant  # ckptbridge's record, for a checkpoint it wrote from a QLoRA adapter
         self.factors = factors  # factor leaves present, and their entries with LoRA
         self.scaling = scaling
         self._step = step
@@ -157,6 +159,10 @@ class MaxTextLora(ModuleLora):
     @property
     def step(self) -> int | None:
         return self._step
+
+    @property
+    def base_quant(self) -> dict | None:
+        return self._base_quant
 
     def module_dtype(self, mod: LoraModule) -> np.dtype:
         for f, positions in self.factors:
@@ -277,7 +283,7 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, base: Base, alpha: float | None) -
     if step is None:
         name = storage.basename(storage.dirname(storage.absolute(path)))
         step = int(name) if name.isdigit() else None
-    return MaxTextLora(path, ckpt, base, tree, factors, scaling, step, leading)
+    return MaxTextLora(path, ckpt, base, tree, factors, scaling, step, leading, base_quant=meta.base_quant)
 
 
 def detect(probe) -> bool:
@@ -389,7 +395,7 @@ def write(ad: AdapterRows, dst: str, req: Request, *, scan_layers: bool = False,
     meta = {maxtext.SCAN_KEY: scan_layers,
             LORA_KEY: {"enable_lora": True, "lora_rank": rank, "lora_alpha": alpha},
             KEY: Metadata(kind="lora", family=b.spec.name, base=os.path.abspath(b.path), key_prefix=b.prefix,
-                          source=storage.absolute(ad.path)).to_json()}
+                          source=storage.absolute(ad.path), base_quant=ad.base_quant).to_json()}
     bar = progress_over(flat.values(), req.desc, req.progress)
     total = bar.total
     with atomic_directory(dst, req.overwrite) as tmp:
