@@ -126,7 +126,11 @@ def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: flo
     if as_trained and any(_as_trained_fields(q) != _as_trained_fields(quant[0]) for q in quant):
         raise ConfigError("--as-trained: the adapters were trained on differently quantized bases; merge them "
                           "one at a time")
-    return Merged(rows, deltas, AsTrained(**_as_trained_fields(quant[0])) if as_trained else None)
+    if not as_trained:
+        return Merged(rows, deltas)
+    contracted = {base.weight_key(name): tuple(mod.shapes(1)["a_tunix"][:-1])
+                  for name, (mod, _) in base.by_hf_module().items()}
+    return Merged(rows, deltas, AsTrained(**_as_trained_fields(quant[0]), contracted=contracted))
 
 
 def _as_trained_fields(record: dict) -> dict:

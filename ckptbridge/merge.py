@@ -55,31 +55,41 @@ def add_deltas(values: np.ndarray, deltas: list[Delta], start: int) -> np.ndarra
 
 class AsTrained:
     """The weights a QLoRA run trained its LoRA modules against: qwix's quantization of the base's
-    rows in the run's parameter dtype (absmax, one scale per output row), dequantized by qwix. A
-    row's scale depends on that row alone, so row blocks give the same values as whole tensors, and
-    HF's (out, in) rows are the channels qwix keeps in Tunix's layout. Needs qwix (``pip install
-    'ckptbridge[verify]'``); runs on the host's CPU."""
+    rows in the run's parameter dtype, dequantized by qwix. qwix keeps a scale per output channel
+    (HF's (out, in) rows) and, with ``tile``, per tile of the last axis its weight contracts over:
+    absmax over the tile and over the other contracted axes (the heads of an output projection,
+    whose inputs are HF's ``heads x head_dim`` columns). Either way a row's scales depend on that
+    row alone, so row blocks give the same values as whole tensors. ``contracted``: by HF key, the
+    axes the Tunix weight contracts over, in HF's column order (the module's Tunix LoRA A shape
+    without its rank), needed with a tile. Needs qwix (``pip install 'ckptbridge[verify]'``); runs
+    on the host's CPU."""
 
-    def __init__(self, scheme: str, tile: int | None, param_dtype: str):
+    def __init__(self, scheme: str, tile: int | None, param_dtype: str,
+                 contracted: dict[str, tuple[int, ...]] | None = None):
         from ckptbridge.options import QLORA_SCHEMES
 
         if scheme not in QLORA_SCHEMES:
             raise MismatchError(f"--as-trained: base quantization {scheme!r} is not one this version rebuilds "
                                 f"({', '.join(QLORA_SCHEMES)})")
-        if tile:  # qwix tiles the last contraction axis of Tunix's weight, and shares a tile's scale over
-            # the others (the heads of an output projection): not HF's rows
-            raise MismatchError(f"--as-trained: a base quantized in tiles ({tile}) is not rebuilt by this version; "
-                                "merge into the base as it is (without --as-trained)")
-        self.scheme, self.dtype = scheme, np.dtype(_dtype(param_dtype))
+        self.scheme, self.tile, self.dtype = scheme, tile, np.dtype(_dtype(param_dtype))
+        self.contracted = contracted or {}
 
-    def __call__(self, values: np.ndarray) -> np.ndarray:
+    def __call__(self, values: np.ndarray, key: str = "") -> np.ndarray:
         import jax
         import jax.numpy as jnp
         import qwix
 
         matrix = values.reshape(-1, values.shape[-1])
+        how: dict = {"channelwise_axes": [0]}
+        if self.tile:  # rows x the contracted axes; the last one in tiles, the others reduced
+            axes = self.contracted.get(key, (matrix.shape[1],))
+            if int(np.prod(axes)) != matrix.shape[1] or axes[-1] % self.tile:
+                raise MismatchError(f"--as-trained: {key} {values.shape}: its inputs {axes} do not take tiles of "
+                                    f"{self.tile}; the adapter was not trained on this base")
+            matrix = matrix.reshape(len(matrix), *axes)
+            how["tiled_axes"] = {len(axes): self.tile}
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            q = qwix.quantize(jnp.asarray(matrix.astype(self.dtype)), self.scheme, channelwise_axes=[0])
+            q = qwix.quantize(jnp.asarray(matrix.astype(self.dtype)), self.scheme, **how)
             return np.asarray(qwix.dequantize(q)).reshape(values.shape)
 
 
@@ -142,7 +152,7 @@ class Merged(ModelRows):
         if not found:
             return values
         if self.as_trained is not None:
-            return add_deltas(self.as_trained(values), found, start).astype(values.dtype)
+            return add_deltas(self.as_trained(values, key), found, start).astype(values.dtype)
         return add_deltas(values, found, start)
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:

@@ -43,7 +43,7 @@ def qlora_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.pinned_only
 @pytest.mark.parametrize("family,scheme,tile", [("gemma4", "int8", None), ("gemma4", "nf4", None),
-                                                ("qwen3", "int4", None)])
+                                                ("gemma4", "int4", 4), ("qwen3", "int4", None)])
 def test_merge_as_trained_is_the_model_trained(qlora_runs, tmp_path, family, scheme, tile):
     """Tunix's logits of the QLoRA model (qwix's quantized base + the trained LoRA, float32) equal
     transformers' logits of ``merge --as-trained`` within 1e-5 relative; the merge into the base
@@ -76,7 +76,8 @@ def test_merge_as_trained_is_the_model_trained(qlora_runs, tmp_path, family, sch
     assert rel_l2(hf_logits(plain, tokens), want) > 1e-5  # the quantization is in the model trained
 
     # the weights: qwix's dequantization of the trained model's MLP up projection (a Linear
-    # kernel, (in, out)) against the rebuilt HF weight (out, in)
+    # kernel, (in, out)) against the rebuilt HF weight (out, in); for Gemma 4 also the output
+    # projection (heads, head_dim, out), whose tiles take every head's inputs at once
     import qwix
     from safetensors.numpy import load_file
 
@@ -84,7 +85,12 @@ def test_merge_as_trained_is_the_model_trained(qlora_runs, tmp_path, family, sch
     trained = np.asarray(qwix.dequantize(kernel.array))
     hf = load_file(os.path.join(base, "model.safetensors"))
     key = next(k for k in hf if ".layers.0.mlp.up_proj.weight" in k)
-    np.testing.assert_array_equal(AsTrained(scheme, tile, "float32")(hf[key]), trained.T)
+    np.testing.assert_array_equal(AsTrained(scheme, tile, "float32")(hf[key], key), trained.T)
+    if family == "gemma4":
+        w = np.asarray(qwix.dequantize(model.layers[0].attn.attn_vec_einsum.w.array))
+        key = next(k for k in hf if ".layers.0.self_attn.o_proj.weight" in k)
+        rebuilt = AsTrained(scheme, tile, "float32", {key: w.shape[:2]})(hf[key], key)
+        np.testing.assert_array_equal(rebuilt, w.reshape(-1, w.shape[-1]).T)
 
 
 @pytest.mark.slow
