@@ -434,12 +434,19 @@ def _put_packed(value: np.ndarray, where):
     """:func:`put`, with 4-bit values (int4; nf4's uint4) packed two to a byte as the compiled
     programs take them: placed as 8-bit values, then narrowed on the device by a compiled cast
     (a host array of 4-bit values would arrive one to a byte)."""
-    import jax
-
     if str(value.dtype) not in FOUR_BIT:
         return put(value, where)
     wide = put(value.astype(np.int8 if str(value.dtype) == "int4" else np.uint8), where)
-    return jax.jit(lambda v: v.astype(value.dtype), out_shardings=wide.sharding)(wide)
+    return _narrowing(str(value.dtype), wide.sharding)(wide)
+
+
+@functools.cache
+def _narrowing(dtype: str, sharding):
+    """The compiled cast to ``dtype`` on ``sharding``: one function for every weight placed so, so
+    that weights of one shape share its program (a new function per weight compiled each anew)."""
+    import jax
+
+    return jax.jit(lambda v: v.astype(dtype), out_shardings=sharding)
 
 
 def _real_path(tree: dict, path: tuple[str, ...]) -> tuple:

@@ -406,11 +406,11 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
             raise
         line = next((ln.strip() for ln in text.splitlines() if "memory" in ln.lower()), text.splitlines()[0])
         return {**report, "fits": False, "compiler": line[:400], "compile_seconds": round(time.perf_counter() - t, 1)}
+    from flax import nnx
+
     from training import throughput
 
     tokens = cfg.micro_batch * hosts * cfg.max_length  # of one micro-batch, every host's
-    from flax import nnx
-
     lora_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(plan.abstract_model(), nnx.LoRAParam)))
     report.update(
         weights_bytes=plan.weights_bytes(), programs=programs.memory, step_peak_bytes=programs.peak_bytes(),

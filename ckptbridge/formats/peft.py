@@ -672,12 +672,12 @@ def write(ad: AdapterRows, dst: str, req: Request, *, target: str = "hf",
         tensors += [PlannedTensor(key, dtype, shape, read) for key, (dtype, shape, read) in saved.items()]
         config = dataclasses.replace(config, modules_to_save=sorted({k[len(PEFT_PREFIX):].rsplit(".", 1)[0]
                                                                     for k in saved}))
+    quant = ad.base_quant
     card = model_card.adapter_card(
         base_id=base_id, base_path=b.path, source=storage.absolute(ad.path), step=ad.step,
         rank=r, alpha=alpha_default, patterns=len(set(rank_pattern) | set(alpha_pattern)),
         target_modules=sorted({n.rsplit(".", 1)[-1] for n in names}), target=target, family=b.spec.name,
-        peft_version=model_card.installed_version("peft"), base_quant=ad.base_quant)
-    quant = ad.base_quant
+        peft_version=model_card.installed_version("peft"), base_quant=quant)
     meta = {KEY: json.dumps(Metadata(family=b.spec.name, target=target, source=storage.absolute(ad.path),
                                      base=os.path.abspath(b.path), base_quant=quant).to_json())}
     total = sum(t.nbytes for t in tensors)
