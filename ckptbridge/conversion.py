@@ -79,13 +79,27 @@ def parallelism(opts: dict[str, Any], orbax: bool) -> tuple[int, bool, Paralleli
 def open_model(src: str, fmt: Format, opts: dict[str, Any], *, towers: str = "refuse",
                quantized_fix: str | None = None):
     """``src`` opened as the rows of a model of format ``fmt`` with the read options in ``opts``;
-    a multimodal model's towers as the destination takes them (``towers``: keep, drop or refuse)."""
-    read = {k: v for k, v in opts.items() if k in fmt.read_options}
+    a multimodal model's towers as the destination takes them (``towers``: keep, drop or refuse;
+    ``skip_multimodal`` in ``opts`` drops them)."""
+    read = {k: v for k, v in opts.items() if k in fmt.read_options and k != "skip_multimodal"}
+    drop = towers == "drop" or bool(opts.get("skip_multimodal"))
     if fmt.name == "hf":
-        read.update(keep_towers=towers == "keep", quantized_fix=quantized_fix)
-        if towers == "drop":
-            read["skip_multimodal"] = True
-    return fmt.open(src, **read)
+        read.update(keep_towers=towers == "keep", quantized_fix=quantized_fix, skip_multimodal=drop)
+        return fmt.open(src, **read)
+    rows = fmt.open(src, **read)
+    if drop:
+        rows.drop_towers()
+    return rows
+
+
+def check_towers(rows, dest: Format, dst: str) -> None:
+    """Refuse, in one line, towers the destination's format has no place for (before anything is written)."""
+    why = dest.tower_refusal(rows)
+    if why:
+        from ckptbridge.errors import UnsupportedError
+
+        raise UnsupportedError(f"{dst}: {why} of {rows.path}; pass --skip-multimodal to write the text model without "
+                               "its towers")
 
 
 def open_adapter(src: str, base, *, step: int | None = None, alpha: float | None = None, fmt: Format | None = None):
@@ -216,7 +230,9 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
             fix = "merge into the unquantized model it was made from (--quantize quantizes the result)"
         elif quantize is not None:
             fix = "quantize the unquantized model it was made from"
-        rows = stack.enter_context(open_model(src, fmt, opts, towers=dest.towers, quantized_fix=fix))
+        rows = stack.enter_context(open_model(src, fmt, opts, towers="keep" if dest.towers == "refuse" else dest.towers,
+                                              quantized_fix=fix))
+        check_towers(rows, dest, dst)
         if quantize is not None:  # what cannot be quantized is refused before the adapters are read
             from ckptbridge.formats.hf import quantization_plan
 
@@ -240,4 +256,4 @@ def _request(src: str, dst: str, fmt: Format, dest: Format, engine: Engine, chun
                    desc=desc or f"{fmt.name} -> {dest.name}", adapters=tuple(adapters), adapter_step=step, t0=t0)
 
 
-__all__ = ["convert", "merged", "open_adapter", "open_model", "parallelism"]
+__all__ = ["check_towers", "convert", "merged", "open_adapter", "open_model", "parallelism"]

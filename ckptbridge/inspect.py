@@ -14,6 +14,7 @@ from ckptbridge.errors import InputNotFoundError
 from ckptbridge.formats.hf import is_hf_directory
 from ckptbridge.formats.qwix import is_lora_a, is_lora_leaf
 from ckptbridge.report import Report
+from ckptbridge.rows import tower_record, towers_line
 from ckptbridge.specs import get_family, parse_config
 
 SUMMARY_ORDER = ("format", "architecture", "name", "gguf_version", "adapter_type", "block_count", "context_length",
@@ -39,6 +40,8 @@ class Info(Report):
                 continue
             if key in ("parameters", "bytes"):
                 value = f"{value:,}"
+            elif key == "towers":
+                value = towers_line(value).split(": ", 1)[1]
             elif isinstance(value, dict):
                 value = ", ".join(f"{k}: {v}" for k, v in value.items())
             elif isinstance(value, list):
@@ -62,7 +65,7 @@ class HFModelInfo(Info):
     parameters: int
     bytes: int
     files: list[str]
-    towers: list[str]
+    towers: dict  # tower -> {"tensors", "bytes"} (or the towers config.json configures, where unreadable)
     tunix_mismatch: list[str]  # what the family's Tunix model computes otherwise
     key_prefix: str | None
     valid: bool
@@ -73,7 +76,7 @@ class HFModelInfo(Info):
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxInfo(Info):
-    OMIT_NONE = ("format", "family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext")
+    OMIT_NONE = ("format", "family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext", "towers")
 
     kind: str
     path: str
@@ -89,6 +92,7 @@ class OrbaxInfo(Info):
     lora_ranks: dict[str, int] | None = None
     maxtext: dict | None = None  # a MaxText checkpoint's tree, scan_layers and LoRA (formats.maxtext.model.describe)
     format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
+    towers: dict | None = None  # the towers it holds (tensors, bytes), as its metadata records them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,14 +190,16 @@ def _inspect_hf(path: str) -> HFModelInfo:
         nbytes = sum(model.info(k).nbytes for k in model.keys())
         files = sorted(model.files)
     prefix = problem = quantization = None
+    towers: dict = {name: "configured" for name in cfg.towers}
     try:
-        with open_hf_source(path, skip_multimodal=True, quantized_ok=True) as source:
+        with open_hf_source(path, keep_towers=True, quantized_ok=True) as source:
             prefix, quantization = source.prefix, source.quantization
+            towers = tower_record(source.tower_entries, source.key_info) or towers
     except Exception as e:  # report, do not fail: inspect is for looking at broken things too
         problem = str(e)
     return HFModelInfo(kind="hf-model", path=path, family=cfg.family, model_type=cfg.model_type,
                        config_dialect=cfg.dialect, layers=cfg.num_layers, layer_kinds=cfg.layer_kinds(),
-                       dtypes=dict(dtypes), parameters=params, bytes=nbytes, files=files, towers=list(cfg.towers),
+                       dtypes=dict(dtypes), parameters=params, bytes=nbytes, files=files, towers=towers,
                        tunix_mismatch=get_family(cfg.family).config_mismatches(cfg), key_prefix=prefix,
                        valid=problem is None, problem=problem, quantization=quantization)
 
@@ -222,7 +228,8 @@ def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:
                      dtypes=dict(Counter(str(d) for _, d in leaves.values())),
                      parameters=sum(_count(s) for s, _ in leaves.values()),
                      bytes=sum(_count(s) * d.itemsize for s, d in leaves.values()),
-                     metadata={k: v for k, v in meta.items() if k != "hf_config"}, **described,
+                     metadata={k: v for k, v in meta.items() if k not in ("hf_config", "towers")}, **described,
+                     towers=meta.get("towers") if isinstance(meta.get("towers"), dict) else None,
                      lora_ranks={str(r): n for r, n in ranks.items()} if lora else None)
 
 

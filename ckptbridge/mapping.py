@@ -13,7 +13,7 @@ import numpy as np
 
 from ckptbridge import layout
 from ckptbridge.config import LayerConfig, ModelConfig
-from ckptbridge.specs.base import FamilySpec, TensorRule
+from ckptbridge.specs.base import BESIDE, FamilySpec, TensorRule, TowerConfig
 
 Path = tuple[str, ...]
 
@@ -27,6 +27,14 @@ class Entry:
     sizes: dict
     absent_keys: tuple[str, ...] = ()  # HF keys of a row HF does not have here (``hf_absent``)
     tunix_variant: str | None = None  # a later Tunix layout of the row (``tunix_layouts_after``) used here
+    tower: str | None = None  # the tower (``vision``, ``audio``) of a tower row; None: the text model
+    tower_layer: int | None = None  # the tower layer of a tower row of layer scope
+
+    @property
+    def ident(self) -> tuple:
+        """What tells the row apart from every other of the model: (tower, rule, layer)."""
+        index = self.layer.index if self.layer is not None else self.tower_layer
+        return self.tower, self.rule.name, index
 
     @property
     def tunix_layout(self) -> str:
@@ -99,6 +107,46 @@ def entries(cfg: ModelConfig, spec: FamilySpec, prefix: str) -> list[Entry]:
                 else:
                     out.append(Entry(r, layer, keys, path, sizes))
     return out
+
+
+def tower_entries(cfg: ModelConfig, spec: FamilySpec, prefix: str,
+                  towers: dict[str, TowerConfig] | None = None, spelling: dict[str, str] | None = None) -> list[Entry]:
+    """Every tensor of the towers ``cfg`` configures (``towers``: their parsed configs, default
+    :meth:`FamilySpec.tower_configs`), the text model's key ``prefix`` telling where they are
+    (:attr:`FamilySpec.tower_roots`; none under a prefix of a text-only checkpoint). The Tunix side
+    is the family's Tunix paths where its Tunix model holds the tower, else the HF tensor as it is
+    under ``towers/`` (:data:`ckptbridge.specs.base.BESIDE`) followed by its key past the root.
+    ``spelling``: the towers' :attr:`~ckptbridge.specs.base.Tower.aliases` a checkpoint uses
+    (prefix -> its other spelling; default: the rules' own)."""
+    if not cfg.towers or prefix not in spec.tower_roots:
+        return []
+    root = spec.tower_roots[prefix]
+    towers = spec.tower_configs(cfg) if towers is None else towers
+    out = []
+    for name, tcfg in towers.items():
+        tower = spec.tower(name)
+        assert tower is not None  # tower_configs names only the family's towers
+        rules = [r for r in tower.rules if r.applies(tcfg.flags)]
+        model = [(r, None) for r in rules if r.scope == "model"]
+        layers = [(r, i) for i in range(tcfg.num_layers) for r in rules if r.scope == "layer"]
+        for r, i in model + layers:
+            suffix = respell(r.hf[0] if i is None else f"{tower.layer_prefix}.{i}.{r.hf[0]}", spelling)
+            if tower.tunix:
+                path = tuple(r.tunix.replace("{i}", str(i)).split("."))
+                rule = r
+            else:
+                path = (BESIDE, *suffix.split("."))
+                rule = dataclasses.replace(r, tunix=".".join(path), tunix_layout=r.hf_layout)
+            out.append(Entry(rule, None, (root + suffix,), path, dict(tcfg.sizes), tower=name, tower_layer=i))
+    return out
+
+
+def respell(suffix: str, spelling: dict[str, str] | None) -> str:
+    """A tower key past its root in a checkpoint's spelling (``spelling``: prefix -> its other form)."""
+    for prefix, other in (spelling or {}).items():
+        if suffix.startswith(prefix):
+            return other + suffix[len(prefix):]
+    return suffix
 
 
 def hf_to_tunix(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
@@ -193,6 +241,8 @@ def blocks(entry: Entry) -> Blocks | None:
     if not entry.hf_keys:
         return None
     hf_groups = layout.parse(entry.hf_stacked_layout)
+    if not hf_groups:  # a scalar
+        return None
     axis = hf_groups[0][0]
     tunix_groups = layout.parse(entry.tunix_layout)
     dim = next(d for d, g in enumerate(tunix_groups) if axis in g)

@@ -37,6 +37,8 @@ class Metadata:
       key_prefix: the HF key prefix the source used, written back on the way out.
       config_dialect: the config's dialect, where a family has several (weights).
       towers_dropped: tensors of non-text towers left out (weights).
+      towers: the towers a checkpoint holds (weights): tower name -> ``{"tensors", "bytes"}``, and
+        ``"spelling"``: the other key spellings of the HF names the towers came with.
       assets: non-weight files stored with the checkpoint (weights).
       source: absolute path of what was converted.
       base: absolute path of the HF base model (LoRA).
@@ -60,6 +62,7 @@ class Metadata:
     key_prefix: str | None = None
     config_dialect: str | None = None
     towers_dropped: int | None = None
+    towers: dict | None = None
     assets: list[str] | None = None
     source: str | None = None
     base: str | None = None
@@ -90,8 +93,8 @@ class Metadata:
         if not isinstance(obj, dict):
             return cls(format_version=None)
         types = {"kind": str, "family": str, "format_version": int, "hf_config": dict, "key_prefix": str,
-                 "config_dialect": str, "towers_dropped": int, "assets": list, "source": str, "base": str,
-                 "kv": str, "target": str, "step": int, "tokens_seen": int, "tunix_version": str,
+                 "config_dialect": str, "towers_dropped": int, "towers": dict, "assets": list, "source": str,
+                 "base": str, "kv": str, "target": str, "step": int, "tokens_seen": int, "tunix_version": str,
                  "base_quant": dict}
         values: dict[str, Any] = {}
         other = {}

@@ -141,24 +141,37 @@ def _qlora_section(base: str) -> str:
             f"```bash\nckptbridge merge {base} path/of/this/adapter MERGED --as-trained\n```\n")
 
 
-def _model_meta(base_id: str | None, relation: str, tags: list[str]) -> dict:
-    """Front matter of a full model made from ``base_id`` (``relation``: the Hub's base_model_relation)."""
+def _model_meta(base_id: str | None, relation: str, tags: list[str], towers: dict | None = None) -> dict:
+    """Front matter of a full model made from ``base_id`` (``relation``: the Hub's base_model_relation;
+    ``towers``: a multimodal model's, :func:`ckptbridge.rows.tower_record`)."""
     meta: dict = {}
     if base_id:
         meta["base_model"] = [base_id]
         meta["base_model_relation"] = relation
     meta["library_name"] = "transformers"
-    meta["pipeline_tag"] = "text-generation"
+    meta["pipeline_tag"] = "image-text-to-text" if _held(towers) else "text-generation"
     meta["tags"] = tags
     return meta
 
 
+def _held(towers: dict | None) -> dict:
+    return {k: v for k, v in (towers or {}).items() if k != "spelling" and isinstance(v, dict)}
+
+
+def towers_row(towers: dict | None) -> tuple[str, str]:
+    """The model card's table row of a multimodal model's towers (empty for a text model)."""
+    held = _held(towers)
+    return ("towers (byte for byte the base's)",
+            ", ".join(f"{k} ({v['tensors']} tensors)" for k, v in held.items()) if held else "")
+
+
 def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id: str | None, step: int | None,
-                family: str, merged_tensors: int, quantized: str | None = None) -> str:
+                family: str, merged_tensors: int, quantized: str | None = None, towers: dict | None = None) -> str:
     """README.md of a model merged from a base and a LoRA adapter (``quantized``: how its weights were
-    quantized in the same pass, from :meth:`ckptbridge.formats.compressed_tensors.Plan.describe`)."""
+    quantized in the same pass, from :meth:`ckptbridge.formats.compressed_tensors.Plan.describe`;
+    ``towers``: the vision/audio towers it carries, :func:`ckptbridge.rows.tower_record`)."""
     base = base_id or os.path.abspath(base_path)
-    meta = _model_meta(base_id, "merge", ["ckptbridge", "lora", "merge"])
+    meta = _model_meta(base_id, "merge", ["ckptbridge", "lora", "merge"], towers)
     what = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else \
         f"`{adapter if adapter.startswith('gs://') else os.path.abspath(adapter)}`"
     made = f" (step {step})" if step is not None else ""
@@ -171,7 +184,7 @@ def merged_card(*, base_id: str | None, base_path: str, adapter: str, adapter_id
         "accumulated in float32 and stored in the base's dtype; every other tensor is the base's, byte for "
         "byte. Loads with transformers and vLLM as the base does.\n\n",
         f"Then quantized in the same pass: {_quantization(quantized)}" if quantized else "",
-        _table([("model family", family), ("merged tensors", str(merged_tensors))]),
+        _table([("model family", family), ("merged tensors", str(merged_tensors)), towers_row(towers)]),
         f"\n### Framework versions\n\n- ckptbridge {_version()}\n",
     ])
 
@@ -182,16 +195,17 @@ def _quantization(description: str) -> str:
             "(with compressed-tensors) load it as such.\n\n")
 
 
-def quantized_card(*, base_id: str | None, base_path: str, family: str, description: str) -> str:
-    """README.md of a quantized copy of an HF model."""
+def quantized_card(*, base_id: str | None, base_path: str, family: str, description: str,
+                   towers: dict | None = None) -> str:
+    """README.md of a quantized copy of an HF model (``towers``: as :func:`merged_card`'s)."""
     base = base_id or os.path.abspath(base_path)
-    meta = _model_meta(base_id, "quantized", ["ckptbridge", "compressed-tensors", "quantized"])
+    meta = _model_meta(base_id, "quantized", ["ckptbridge", "compressed-tensors", "quantized"], towers)
     return "".join([
         _yaml(meta),
         f"# {base}, quantized\n\n",
         f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"The model at `{base}`",
         f" quantized with ckptbridge {_version()}, without calibration data: ",
         _quantization(description),
-        _table([("model family", family)]),
+        _table([("model family", family), towers_row(towers)]),
         f"\n### Framework versions\n\n- ckptbridge {_version()}\n",
     ])

@@ -116,6 +116,8 @@ class ModelRows(Opened):
     prefix: str
     entries: list[mapping.Entry]
     towers_dropped = 0  # vision/audio tensors left out (an HF source opened with skip_multimodal)
+    tower_entries: list[mapping.Entry] = []  # the rows of the vision/audio towers it holds (none: text only)
+    tower_spelling: dict[str, str] = {}  # the towers' other key spellings its HF names use (Tower.aliases)
     row_addressable = False  # whether key_rows reads runs of rows of one HF tensor on its own
     merged_keys: Collection[str] = ()  # HF keys an adapter was merged into (a stage's rows)
     scan_layers: bool | None = None  # a MaxText source's layout (reports say it)
@@ -156,15 +158,26 @@ class ModelRows(Opened):
         found = self.assets()
         return found[1] if found else None
 
+    def drop_towers(self) -> None:
+        """Leave the towers out (``--skip-multimodal``): the text model alone is read."""
+        self.towers_dropped += sum(len(e.hf_keys) for e in self.tower_entries)
+        self.tower_entries = []
+        self.__dict__.pop("_by_key", None)
+
+    @property
+    def all_entries(self) -> list[mapping.Entry]:
+        """The text model's rows, then the towers'."""
+        return [*self.entries, *self.tower_entries]
+
     def hf_keys(self) -> list[str]:
-        """Every HF key the source holds, in its order."""
-        return [k for e in self.entries for k in e.hf_keys]
+        """Every HF key the source holds, in its order (the towers' too)."""
+        return [k for e in self.all_entries for k in e.hf_keys]
 
     def key_info(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
         """The dtype and shape of HF tensor ``key``."""
         by_key = self.__dict__.get("_by_key")
         if by_key is None:
-            by_key = self.__dict__["_by_key"] = {k: e for e in self.entries for k in e.hf_keys}
+            by_key = self.__dict__["_by_key"] = {k: e for e in self.all_entries for k in e.hf_keys}
         e = by_key[key]
         return self.dtype(e), e.hf_shape
 
@@ -195,7 +208,7 @@ class ModelRows(Opened):
         stored bytes.)"""
         jobs: list[Job] = []
         tensors: list[HFTensor] = []
-        for e in self.entries:
+        for e in self.all_entries:
             if not e.hf_keys:
                 continue
             dtype = self.dtype(e)
@@ -229,8 +242,34 @@ class ModelRows(Opened):
         return {KEY: Metadata(
             kind=kind, family=self.spec.name, hf_config=self.cfg.hf_config, key_prefix=self.prefix,
             config_dialect=self.cfg.dialect, towers_dropped=self.towers_dropped,
+            towers=tower_record(self.tower_entries, self.key_info, self.tower_spelling) or None,
             assets=found[0] if found else [], source=_absolute(self.path), tunix_version=tunix_version,
         ).to_json()}
+
+
+def tower_record(entries: list[mapping.Entry], key_info, spelling: dict[str, str] | None = None) -> dict:
+    """What a checkpoint holds of each tower (tensors and bytes, by tower), and the other key
+    spellings its HF names use (``spelling``), for metadata, inspect and reports."""
+    out: dict = {}
+    for e in entries:
+        held = out.setdefault(e.tower, {"tensors": 0, "bytes": 0})
+        for k in e.hf_keys:
+            dtype, shape = key_info(k)
+            held["tensors"] += 1
+            held["bytes"] += math.prod(shape) * np.dtype(dtype).itemsize
+    if out and spelling:
+        out["spelling"] = dict(spelling)
+    return out
+
+
+def towers_line(towers: dict | None) -> str:
+    """The towers a report's model holds (a :func:`tower_record`), as a summary line (nothing
+    for a text model)."""
+    held = {k: v for k, v in (towers or {}).items() if k != "spelling"}
+    if not held:
+        return ""
+    return "\n  towers: " + ", ".join(f"{k} ({v['tensors']} tensors, {human_bytes(v['bytes'])})" if isinstance(v, dict)
+                                     else f"{k} ({v})" for k, v in held.items())
 
 
 def _absolute(path: str) -> str:
@@ -280,4 +319,4 @@ class ConversionReport(Report):
 
 
 __all__ = ["ASSETS_DIR", "HELD_PER_BYTE", "ConversionReport", "HFPlan", "HFTensor", "ModelRows", "Part", "Request",
-           "config_from_option", "layer_note", "matrix_rows", "more", "per_block"]
+           "config_from_option", "layer_note", "matrix_rows", "more", "per_block", "tower_record", "towers_line"]

@@ -35,7 +35,10 @@ def randomize_(model, seed: int = 0) -> None:
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if not t.is_floating_point() or name.endswith("embed_scale") or "inv_freq" in name:
                 continue
-            if name.endswith("layer_scalar"):
+            if t.dim() == 0:  # a clipped linear's bounds: wide, so that they clip now and then
+                bound = 3.0 + 2.0 * torch.rand((), generator=g)
+                t.copy_(-bound if name.endswith("_min") else bound)
+            elif name.endswith("layer_scalar"):
                 t.copy_(0.5 * torch.rand(t.shape, generator=g) + 0.75)
             elif "norm" in name:
                 t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=g))

@@ -56,13 +56,23 @@ def check_config(cfg: ModelConfig, allow_config_mismatch: bool, *, warn: bool = 
 
 
 def tunix_model_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None,
-                       remat: str | None = None, sharding: Any = None, allow_config_mismatch: bool = False):
+                       remat: str | None = None, sharding: Any = None, allow_config_mismatch: bool = False,
+                       towers: bool = False):
     """The Tunix ``ModelConfig`` of the family of ``cfg``, equivalent to the HF config. Where Tunix
     computes something else (:func:`config_mismatches`), raise UnsupportedError, or with
-    ``allow_config_mismatch`` log the difference and build the closest Tunix model."""
+    ``allow_config_mismatch`` log the difference and build the closest Tunix model. With
+    ``towers``, the towers ``cfg`` configures too, where the family's Tunix model holds them."""
     check_config(cfg, allow_config_mismatch)
-    return tunix_spec(get_family(cfg.family)).config(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                                     sharding=sharding)
+    spec = get_family(cfg.family)
+    extra = {}
+    if towers and cfg.towers:
+        held = [t.name for t in spec.towers if t.tunix]
+        missing = [t for t in cfg.towers if t not in held]
+        if missing:
+            raise UnsupportedError(f"config.json: Tunix's {spec.name} has no {' or '.join(missing)} tower; its "
+                                   "checkpoint keeps the tower's tensors beside the model (towers/), unused by Tunix")
+        extra["towers"] = True
+    return tunix_spec(spec).config(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, sharding=sharding, **extra)
 
 
 def family_of_model(model) -> FamilySpec:

@@ -21,7 +21,7 @@ The checks:
   both kinds, checked by logits;
 - ``inspect``: ``ckptbridge inspect --json``;
 - ``bad_inputs``: a missing tensor, an unexpected one and one under another prefix of the family
-  are named, a multimodal checkpoint needs skip_multimodal; nothing is written;
+  are named (a tower tensor missing or of another shape too); nothing is written;
 - ``train``: ``python -m training`` on the checkpoint, on 2 simulated devices, then export (slow).
 
 Adding a family: add its rows here (a main row with ``MAIN`` checks, its Tunix loader module if
@@ -68,7 +68,7 @@ class Case:
     tunix_loader: the module whose ``create_model_from_safe_tensors`` is Tunix's own loader for
       this family (``tunix_tree``).
     loader_fails: where Tunix's own loader cannot load this row: a regex of what it says.
-    multimodal: the checkpoint has vision towers (converted with ``skip_multimodal``).
+    multimodal: the checkpoint has vision (and audio) towers, which travel with the text model.
     back_shard: ``max_shard_size`` of the round trip's way back (None: one file).
     lora_names: how many distinct HF module names LoRA covers (``train``).
     tunix_rules: qwix rules of the row's Tunix LoRA checkpoint as (module, rank, alpha), module
@@ -116,6 +116,14 @@ _GEMMA4_E2B = Case(
     "model.language_model.", tunix_loader=_GEMMA4,
     loader_fails="_key_norm|kv_einsum" + _EARLIER,  # wants k/v of kv-shared layers, which HF files do not have
     lora_names=9)  # the 7 and the per-layer input gate and projection
+# Gemma 4 31B-shaped (k_eq_v globals) with its vision tower as the 31B has it (standardized soft
+# tokens, no clipped linears, head_dim = hidden / heads: the form MaxText's model holds too)
+_GEMMA4_MM = Case(dict(family="gemma4", model_type="gemma4", attention_k_eq_v=True,
+                       vision=dict(use_clipped_linears=False, head_dim=16)),
+                  "model.language_model.", WEIGHTS | {"logits", "inspect", "bad_inputs"}, multimodal=True)
+# Gemma 4 E2B-shaped with its vision and audio towers (clipped linears), as the E2B/E4B release
+_GEMMA4_E2B_MM = dataclasses.replace(_GEMMA4_E2B, build={**_GEMMA4_E2B.build, "vision": True, "audio": True},
+                                     checks=WEIGHTS | {"inspect", "bad_inputs"}, multimodal=True)
 _GEMMA3_TEXT = Case(dict(family="gemma3", model_type="gemma3_text"), "model.", NO_TRAIN, tunix_loader=_GEMMA3)
 # vision tower; Gemma3ForConditionalGeneration writes its text model as language_model.model.
 _GEMMA3_MM = Case(dict(family="gemma3", model_type="gemma3"), "language_model.model.", tunix_loader=_GEMMA3,
@@ -152,6 +160,9 @@ CASES: dict[str, Case] = {
         "model.language_model.", checks=WEIGHTS | {"logits"}),
     "gemma4_e2b": _GEMMA4_E2B,
     "gemma4_e2b_bf16_sharded": variant(_GEMMA4_E2B),
+    "gemma4_mm": _GEMMA4_MM,
+    "gemma4_e2b_mm": _GEMMA4_E2B_MM,
+    "gemma4_e2b_mm_bf16_sharded": variant(_GEMMA4_E2B_MM),
     "gemma3_text": _GEMMA3_TEXT,
     "gemma3_text_bf16_sharded": variant(_GEMMA3_TEXT),
     "gemma3_mm": _GEMMA3_MM,

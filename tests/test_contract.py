@@ -42,9 +42,9 @@ def _leaf(tree: dict, path: tuple[str, ...]):
 
 @pytest.mark.parametrize("name", rows("round_trip"))
 def test_round_trip_is_bitwise(checkpoints, converted, tmp_path, name):
-    """HF -> Orbax -> HF gives every text tensor back bit for bit (key, dtype, bytes), under the
-    prefix found on disk, with config and tokenizer files; towers (multimodal rows) are skipped;
-    the Orbax checkpoint records family, prefix and config; the input is untouched."""
+    """HF -> Orbax -> HF gives every tensor back bit for bit (key, dtype, bytes), under the prefix
+    found on disk, with config and tokenizer files, a multimodal row's towers too; the Orbax
+    checkpoint records family, prefix, config and the towers it holds; the input is untouched."""
     case, src = CASES[name], checkpoints[name]
     orbax_dir, r = converted[name]
     assert r.key_prefix == case.prefix
@@ -53,19 +53,20 @@ def test_round_trip_is_bitwise(checkpoints, converted, tmp_path, name):
     r2 = convert_orbax_to_safetensors(orbax_dir, back, progress=False, **shard)
     assert r2.key_prefix == case.prefix
     cmp = compare_tensors(src, back)
-    assert cmp.differing == [] and cmp.only_in_b == [] and cmp.tensors > 0, cmp
-    with open_hf_source(src, skip_multimodal=True) as source:
+    assert cmp.identical and cmp.tensors > 0, cmp
+    with open_hf_source(src, keep_towers=True) as source:
         towers = sorted(source.tower_keys)
         assert source.prefix == case.prefix
-        # every HF tensor of the text model maps to one entry, each entry to its own Tunix parameter
-        mapped = [k for e in source.entries for k in e.hf_keys]
+        # every HF tensor maps to one entry (the towers' too), each entry to its own Tunix parameter
+        mapped = [k for e in source.all_entries for k in e.hf_keys]
         assert len(mapped) == len(set(mapped))
-        assert set(mapped) == set(source.model.keys()) - set(towers) - set(source.tied_keys)
-        assert len({e.tunix_path for e in source.entries}) == len(source.entries)
-        assert all(isinstance(e, Entry) for e in source.entries)
-    assert cmp.only_in_a == towers and bool(towers) == case.multimodal
+        assert set(mapped) == set(source.model.keys()) - set(source.tied_keys)
+        assert len({e.tunix_path for e in source.all_entries}) == len(source.all_entries)
+        assert all(isinstance(e, Entry) for e in source.all_entries)
+        assert sorted(k for e in source.tower_entries for k in e.hf_keys) == towers
+    assert bool(towers) == case.multimodal and r.towers_dropped == 0
     with HFModelDir(src) as a, HFModelDir(back) as b:
-        text = sorted(set(a.keys()) - set(towers))
+        text = sorted(a.keys())
         assert sorted(b.keys()) == text
         for k in text:
             assert a.info(k).dtype == b.info(k).dtype, k
@@ -88,6 +89,7 @@ def test_round_trip_is_bitwise(checkpoints, converted, tmp_path, name):
     assert meta["family"] == case.family and meta["key_prefix"] == case.prefix
     assert meta["hf_config"] == json.load(open(os.path.join(src, "config.json")))
     assert meta["format_version"] == 1 and meta["kind"] == "weights"
+    assert sum(t["tensors"] for k, t in meta.get("towers", {}).items() if k != "spelling") == len(towers)
     assert tree_hash(src) == checkpoints.hashes[name]
 
 
@@ -126,14 +128,19 @@ def test_tree_equals_tunix_loader(checkpoints, name):
 
 def _tunix_from_restored_tree(tree: dict, source):
     """The family's Tunix model with the parameters of a plain-Orbax-restored tree put in by hand
-    (every parameter the model has must be in the tree, shaped as the model wants it)."""
+    (every parameter the model has must be in the tree, shaped as the model wants it): with the
+    towers where Tunix's model holds them; a subtree of towers it does not hold (``towers/``) is
+    what the model does not read."""
     import jax
     from flax import nnx
 
+    from ckptbridge.specs.base import BESIDE
     from ckptbridge.tunix_model import tunix_model_class, tunix_model_config
 
     cls = tunix_model_class(source.spec)
-    tcfg = tunix_model_config(source.cfg)
+    held = bool(source.tower_entries) and all(source.spec.tower(t).tunix for t in source.cfg.towers)
+    tcfg = tunix_model_config(source.cfg, towers=held)
+    tree = {k: v for k, v in tree.items() if k != BESIDE}
     graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(tcfg, rngs=nnx.Rngs(params=0))))
     pure = state.to_pure_dict()
 
@@ -167,9 +174,9 @@ def test_orbax_tree_gives_transformers_logits(checkpoints, converted, precise, n
     if r.sliding_window:
         assert r.tokens[1] > 2 * r.sliding_window
     tree = _restore(orbax_dir)
-    with open_hf_source(src, skip_multimodal=True) as source:
+    with open_hf_source(src, keep_towers=True) as source:
         leaves = 0
-        for e in source.entries:
+        for e in source.all_entries:
             got, want = np.asarray(_leaf(tree, e.tunix_path)), source.tunix_value(e)
             assert got.dtype == want.dtype == source.dtype(e), e.tunix_path
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), e.tunix_path
@@ -229,7 +236,8 @@ def test_inspect(checkpoints, name):
 @pytest.mark.parametrize("name", rows("bad_inputs"))
 def test_bad_inputs(checkpoints, tmp_path, name):
     """A tensor missing, a tensor too many, one tensor under another prefix of the family: each
-    named in the error, nothing written; a multimodal checkpoint needs skip_multimodal."""
+    named in the error, nothing written; of a multimodal checkpoint's towers too (a tensor missing,
+    one of another shape)."""
     from ckptbridge.specs import get_family
 
     case, src = CASES[name], checkpoints[name]
@@ -253,9 +261,16 @@ def test_bad_inputs(checkpoints, tmp_path, name):
             convert_safetensors_to_orbax(mixed, str(tmp_path / f"m{i}"), progress=False, **skip)
         written.append(f"m{i}")
     if case.multimodal:
-        with pytest.raises(UnsupportedError, match="--skip-multimodal"):
-            convert_safetensors_to_orbax(src, str(tmp_path / "o3"), progress=False)
-        written.append("o3")
+        with open_hf_source(src, keep_towers=True) as source:
+            tower_key, tower = source.tower_entries[-1].hf_keys[0], source.tower_entries[-1].tower
+        gone = rewrite_checkpoint(src, tmp_path / "gone", drop=tower_key)
+        with pytest.raises(MismatchError, match=f"'{re.escape(tower_key)}' of the {tower} tower is missing"):
+            convert_safetensors_to_orbax(gone, str(tmp_path / "o3"), progress=False)
+        wrong = rewrite_checkpoint(src, tmp_path / "wrong", reshape=(tower_key, (3, 5)))
+        with pytest.raises(MismatchError, match=rf"'{re.escape(tower_key)}' has shape \(3, 5\), config.json "
+                                                rf"\({tower}_config\) implies"):
+            convert_safetensors_to_orbax(wrong, str(tmp_path / "o4"), progress=False)
+        written += ["o3", "o4"]
     for out in written:
         assert not os.path.exists(tmp_path / out), out
 

@@ -67,8 +67,9 @@ class Format:
     read_options: tuple[str, ...] = ()
     write_options: tuple[str, ...] = ()
     orbax: bool = False  # stored through Orbax/TensorStore (pieces are stored chunks; codec threads)
-    # a multimodal model's vision/audio towers: "keep" (copied), "drop" (the text model, as the format's
-    # own converter writes it) or "refuse" (unless --skip-multimodal says to drop them)
+    # a multimodal model's vision/audio towers: "keep" (written with the model; the format's module
+    # may still refuse a tower it has no place for: ``tower_refusal``), "drop" (the text model, as the
+    # format's own converter writes it) or "refuse" (unless --skip-multimodal says to drop them)
     towers: str = "refuse"
     suffix: str | None = None  # the file name ending that names it as a destination
     bound: str | None = None
@@ -86,6 +87,16 @@ class Format:
     def write(self, rows, dst: str, req, **options):
         return getattr(self.impl(), self.writer)(rows, dst, req, **options)
 
+    def tower_refusal(self, rows) -> str | None:
+        """Why this format cannot hold the towers ``rows`` carries (one line), or None when it can."""
+        if not rows.tower_entries or self.towers == "drop":
+            return None
+        names = list(dict.fromkeys(e.tower for e in rows.tower_entries))
+        if self.towers == "refuse":
+            return f"{self.name} has no place for the {' and '.join(names)} tower{'s' * (len(names) > 1)}"
+        fn = getattr(self.impl(), "tower_refusal", None)
+        return fn(rows.spec, rows.cfg, names) if fn is not None else None
+
     def inexact(self, spec, cfg, **options) -> dict[str, str]:
         """The family's rows that a round trip through this format (written with ``options``) does
         not give back bit for bit, each with why (the pair's bound, from the family's spec)."""
@@ -102,8 +113,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "GGUF file, an Orbax or MaxText checkpoint not written by ckptbridge); non-weight files beside it go "
            "with the model", metavar="HF_CONFIG"),
     Option("step", "step of a checkpoint-manager root (default: the latest)", "int", metavar="N"),
-    Option("skip_multimodal", "read the text model of a checkpoint with vision/audio towers and drop the towers",
-           "flag"),
+    Option("skip_multimodal", "leave out a multimodal checkpoint's vision/audio towers (default: they are converted "
+           "with the text model to every format that can hold them)", "flag"),
     Option("dtype", "dtype of the tensors read from a GGUF file (default: its weights' type; float32 for Q8_0)",
            choices=("float32", "float16", "bfloat16")),
     Option("alpha", "LoRA alpha of a Tunix or MaxText LoRA checkpoint that does not record it (scale = alpha / "
@@ -166,14 +177,18 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            write_options=("max_shard_size", "quantize", "base_id"), towers="keep",
            bound="the decoder's projections are quantized (one scale per output channel)"),
     Format("tunix", MODEL, "Orbax checkpoint of the Tunix parameters (Flax NNX)", "ckptbridge.formats.tunix",
-           read_options=("config", "step"), write_options=("tunix_version", "compression"), orbax=True),
+           read_options=("config", "step", "skip_multimodal"), write_options=("tunix_version", "compression"),
+           orbax=True, towers="keep"),
     Format("maxtext", MODEL, "MaxText checkpoint (Orbax; scanned or not)", "ckptbridge.formats.maxtext.model",
-           read_options=("config", "step"), write_options=("scan_layers", "vocab_size", "compression"),
-           orbax=True, bound="a tensor MaxText stores scaled by a family's value transform (an embedding times "
-           "sqrt(hidden), a query times 1/sqrt(head_dim)) comes back within one rounding of its dtype"),
+           read_options=("config", "step", "skip_multimodal"), write_options=("scan_layers", "vocab_size",
+                                                                                "compression"),
+           orbax=True, towers="keep",
+           bound="a tensor MaxText stores scaled by a family's value transform (an embedding times sqrt(hidden), a "
+           "query times 1/sqrt(head_dim)) comes back within one rounding of its dtype"),
     Format("gguf", MODEL, "GGUF file (ggml's runtimes: its CLI and server, Ollama, LM Studio)",
            "ckptbridge.formats.gguf.model",
-           read_options=("config", "dtype"), write_options=("outtype", "tokenizer", "name"), suffix=".gguf",
+           read_options=("config", "dtype", "skip_multimodal"), write_options=("outtype", "tokenizer", "name"),
+           suffix=".gguf",
            bound=f"{_NORMS}; {_Q8}", lossless=(("outtype", "auto"),), read_module="ckptbridge.formats.gguf.reader",
            towers="drop"),
     Format("peft", ADAPTER, "PEFT LoRA adapter directory (transformers, vLLM)", "ckptbridge.formats.peft",

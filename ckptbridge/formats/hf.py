@@ -29,7 +29,19 @@ from ckptbridge.io.files import close_on_error
 from ckptbridge.io.hf import HFModelDir, write_model_directory
 from ckptbridge.io.safetensors import PlannedTensor, dtype_code, numpy_dtype
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.rows import ConversionReport, HFPlan, HFTensor, ModelRows, Part, Request, layer_note, matrix_rows, more
+from ckptbridge.rows import (
+    ConversionReport,
+    HFPlan,
+    HFTensor,
+    ModelRows,
+    Part,
+    Request,
+    layer_note,
+    matrix_rows,
+    more,
+    tower_record,
+    towers_line,
+)
 from ckptbridge.specs import FamilySpec, family_for
 from ckptbridge.stream import Job, Parts, Stream
 
@@ -57,16 +69,19 @@ class HFSource(ModelRows):
 
     def __init__(self, model: HFModelDir, cfg: ModelConfig, spec: FamilySpec, prefix: str,
                  entries: list[mapping.Entry], tower_keys: list[str], tied_keys: list[str],
-                 quantization: str | None = None, skip_multimodal: bool = False):
+                 quantization: str | None = None, skip_multimodal: bool = False,
+                 towers: list[mapping.Entry] | None = None, spelling: dict[str, str] | None = None):
         self.model, self.cfg, self.spec, self.prefix, self.entries = model, cfg, spec, prefix, entries
         self.path = model.path
         self.tower_keys, self.tied_keys = tower_keys, tied_keys
         self.quantization = quantization  # a quantized model's format (compressed-tensors)
         self.skip_multimodal = skip_multimodal
+        self.tower_entries = [] if skip_multimodal else list(towers or [])
+        self.tower_spelling = dict(spelling or {})
 
     @property
     def towers_dropped(self) -> int:  # type: ignore[override]
-        return len(self.tower_keys)
+        return len(self.tower_keys) if self.skip_multimodal else 0
 
     def text_only(self) -> None:
         """Refuse a model with towers unless opened with ``skip_multimodal`` (for writers of the text model)."""
@@ -74,8 +89,8 @@ class HFSource(ModelRows):
             what = ", ".join(self.cfg.towers) or "multimodal"
             raise UnsupportedError(
                 f"{self.path}: has {what} towers ({len(self.tower_keys)} tensors, e.g. "
-                f"{self.tower_keys[0] if self.tower_keys else 'in config.json'}); ckptbridge converts the text model "
-                "only: pass --skip-multimodal (skip_multimodal=True) to convert it and drop the towers"
+                f"{self.tower_keys[0] if self.tower_keys else 'in config.json'}); this reads the text model "
+                "only: pass --skip-multimodal (skip_multimodal=True) to use it and leave the towers out"
             )
 
     def arrays(self, entry: mapping.Entry, *, mapped: bool = False) -> list[np.ndarray]:
@@ -118,7 +133,7 @@ class HFSource(ModelRows):
 
     def hf_keys(self) -> list[str]:
         """Every tensor of the files (towers too, unless opened with ``skip_multimodal``)."""
-        if self.skip_multimodal and self.tower_keys:
+        if not self.tower_entries and self.tower_keys:
             towers = set(self.tower_keys)
             return [k for k in self.model.keys() if k not in towers]
         return self.model.keys()
@@ -183,8 +198,9 @@ def open_hf_source(src: str, *, skip_multimodal: bool = False, quantized_ok: boo
                 fix = quantized_fix or ("ckptbridge converts unquantized checkpoints: use the model it was "
                                         "quantized from")
                 raise UnsupportedError(f"{src}: already quantized ({why}); {fix}")
-        source = _validate_hf(model, skip_multimodal)
+        source = _validate_hf(model, skip_multimodal or not keep_towers)
         if not keep_towers:
+            source.skip_multimodal = skip_multimodal
             source.text_only()
         return source
 
@@ -203,7 +219,7 @@ def find_prefix(spec: FamilySpec, keys) -> str | None:
     return best if counts[best] else None
 
 
-def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
+def _validate_hf(model: HFModelDir, skip_towers: bool) -> HFSource:
     from ckptbridge.formats.compressed_tensors import describe
 
     where = os.path.join(model.path, "config.json")
@@ -256,7 +272,50 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
                 f"{model.path}: {' and '.join(entry.hf_keys)} have different dtypes {sorted(dts)}; "
                 "they are fused into one Tunix parameter and must match"
             )
-    return HFSource(model, cfg, spec, prefix, ents, tower_keys, tied, quantization, skip_multimodal)
+    towers, spelling = ([], {}) if skip_towers else _validate_towers(model, cfg, spec, prefix, tower_keys)
+    return HFSource(model, cfg, spec, prefix, ents, tower_keys, tied, quantization, skip_towers, towers, spelling)
+
+
+def tower_spelling(spec: FamilySpec, root: str, keys: Collection[str]) -> dict[str, str]:
+    """The towers' other key spellings (:attr:`~ckptbridge.specs.base.Tower.aliases`) ``keys`` use."""
+    found = {}
+    for tower in spec.towers:
+        for prefix, other in tower.aliases:
+            if not any(k.startswith(root + prefix) for k in keys) and any(k.startswith(root + other) for k in keys):
+                found[prefix] = other
+    return found
+
+
+def _validate_towers(model: HFModelDir, cfg: ModelConfig, spec: FamilySpec, prefix: str,
+                     tower_keys: list[str]) -> tuple[list[mapping.Entry], dict[str, str]]:
+    """The towers' rows, every tensor of them checked against config.json (keys and shapes)."""
+    where = os.path.join(model.path, "config.json")
+    if not cfg.towers:
+        if tower_keys:
+            raise UnsupportedError(f"{model.file_of(tower_keys[0]).path}: tensor {tower_keys[0]!r}{more(tower_keys)} "
+                                   "belongs to a vision/audio tower that config.json does not configure; pass "
+                                   "--skip-multimodal to convert the text model without it")
+        return [], {}
+    if prefix not in spec.tower_roots:
+        raise MismatchError(f"{where}: configures {', '.join(cfg.towers)} towers, but the text model's keys "
+                            f"({prefix}...) are those of a text-only checkpoint; the weights and config.json disagree")
+    spelling = tower_spelling(spec, spec.tower_roots[prefix], tower_keys)
+    towers = mapping.tower_entries(cfg, spec, prefix, spec.tower_configs(cfg, where), spelling)
+    expected = {e.hf_keys[0]: e for e in towers}
+    unknown = [k for k in tower_keys if k not in expected]
+    if unknown:
+        raise MismatchError(f"{model.file_of(unknown[0]).path}: unexpected tensor {unknown[0]!r}{more(unknown)}: not "
+                            f"part of the {spec.name} towers config.json describes; the weights and config.json "
+                            "disagree")
+    for key, entry in expected.items():
+        if key not in model:
+            raise MismatchError(f"{model.path}: tensor {key!r} of the {entry.tower} tower is missing; the checkpoint "
+                                "is incomplete or config.json belongs to another model")
+        if model.info(key).shape != entry.hf_shape:
+            raise MismatchError(f"{model.file_of(key).path}: tensor {key!r} has shape {model.info(key).shape}, "
+                                f"config.json ({entry.tower}_config) implies {entry.hf_shape}; the weights and "
+                                "config.json disagree")
+    return towers, spelling
 
 
 # --------------------------------------------------------------------------- writing
@@ -266,7 +325,7 @@ def _validate_hf(model: HFModelDir, skip_multimodal: bool) -> HFSource:
 class ToHFReport(ConversionReport):
     """A model written as an HF directory."""
 
-    OMIT_NONE = ("quantized", "quantized_tensors", "scan_layers")
+    OMIT_NONE = ("quantized", "quantized_tensors", "scan_layers", "towers")
 
     files: list[str]
     config_mismatch: str | None
@@ -274,12 +333,13 @@ class ToHFReport(ConversionReport):
     quantized: str | None = None  # the scheme the decoder's projections were quantized to
     quantized_tensors: int | None = None
     scan_layers: bool | None = None  # a MaxText source's layout
+    towers: dict | None = None  # the vision/audio towers written (tensors, bytes by tower)
 
     def summary(self) -> str:
         q = f"\n  {self.quantized_tensors} weights quantized to {self.quantized}" if self.quantized else ""
         lay = f"\n  MaxText layout: {'scanned' if self.scan_layers else 'unscanned'}" \
             if self.scan_layers is not None else ""
-        return self._head(self.seconds) + lay + q + f"\n  files: {', '.join(self.files)}"
+        return self._head(self.seconds) + towers_line(self.towers) + lay + q + f"\n  files: {', '.join(self.files)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,13 +468,15 @@ def write(rows: ModelRows, dst: str, req: Request, *, max_shard_size: str | int 
         direction=req.direction, source=req.source, destination=dst, family=rows.spec.name, key_prefix=rows.prefix,
         layer_kinds=rows.cfg.layer_kinds(), tensors=len(planned), bytes=total, files=files, config_mismatch=mismatch,
         seconds=seconds, quantized=qplan.scheme.name if qplan else None,
-        quantized_tensors=len(qplan.weights) if qplan else None, scan_layers=rows.scan_layers)
+        quantized_tensors=len(qplan.weights) if qplan else None, scan_layers=rows.scan_layers,
+        towers=tower_record(rows.tower_entries, rows.key_info) or None)
 
 
 def _card(rows: ModelRows, req, base_id: str | None, qplan, merged: int) -> str | None:
     """The model card of a merged or quantized model (None otherwise: the source's is copied)."""
     if not req.adapters and qplan is None:
         return None
+    towers = tower_record(rows.tower_entries, rows.key_info)
     base_path = rows.path
     found_id = model_card.hub_id(base_path, base_id) if os.path.isdir(base_path) else base_id
     if req.adapters:
@@ -424,9 +486,9 @@ def _card(rows: ModelRows, req, base_id: str | None, qplan, merged: int) -> str 
             base_id=found_id, base_path=base_path, adapter=adapter,
             adapter_id=model_card.hub_id(single) if single and os.path.isdir(single) else None,
             step=req.adapter_step, family=rows.spec.name, merged_tensors=merged,
-            quantized=qplan.describe() if qplan else None)
+            quantized=qplan.describe() if qplan else None, towers=towers)
     return model_card.quantized_card(base_id=found_id, base_path=base_path, family=rows.spec.name,
-                                     description=qplan.describe())
+                                     description=qplan.describe(), towers=towers)
 
 
 __all__ = ["HFSource", "MergeReport", "QuantizeReport", "ToHFReport", "detect", "find_prefix", "is_hf_directory",

@@ -38,9 +38,11 @@ from ckptbridge.rows import (
     layer_note,
     more,
     per_block,
+    tower_record,
+    towers_line,
 )
 from ckptbridge.specs import family_for
-from ckptbridge.specs.base import tunix_version_key
+from ckptbridge.specs.base import BESIDE, tunix_version_key
 
 NAME = "tunix"
 
@@ -68,16 +70,20 @@ class TunixSource(ModelRows):
     format = NAME
 
     def __init__(self, ckpt: orbax_io.OrbaxCheckpoint, cfg, spec, prefix: str, entries: list[mapping.Entry],
-                 suffix: tuple[str, ...], config_dir: str | None):
+                 suffix: tuple[str, ...], config_dir: str | None, towers: list[mapping.Entry] | None = None,
+                 spelling: dict[str, str] | None = None):
         self.ckpt, self.cfg, self.spec, self.prefix, self.entries = ckpt, cfg, spec, prefix, entries
         self.path = ckpt.path
         self.suffix = suffix  # ("value",) for trees saved from an nnx state with value levels
         self.config_dir = config_dir  # where non-weight files come from when not stored in the checkpoint
-        self._stored = {(e.rule.name, e.layer.index if e.layer else None): e for e in entries}
+        self.tower_entries = list(towers or [])
+        self.tower_spelling = dict(spelling or {})
+        self.towers_dropped = ckpt.metadata.towers_dropped or 0
+        self._stored = {e.ident: e for e in [*entries, *self.tower_entries]}
 
     def stored(self, entry: mapping.Entry) -> mapping.Entry:
         """The entry of ``entry``'s row and layer in the layout its leaf is stored in."""
-        return self._stored[(entry.rule.name, entry.layer.index if entry.layer else None)]
+        return self._stored[entry.ident]
 
     def path_of(self, entry: mapping.Entry) -> tuple[str, ...]:
         return self.stored(entry).tunix_path + self.suffix
@@ -197,7 +203,8 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Tunix
     leaves = ckpt.leaves
     suffix = ckpt.value_suffix
     ents = [_stored_layout(e, leaves.get(e.tunix_path + suffix)) for e in ents]
-    expected = {e.tunix_path + suffix: e for e in ents}
+    towers, spelling = _stored_towers(path, cfg, spec, prefix, meta, leaves, suffix)
+    expected = {e.tunix_path + suffix: e for e in [*ents, *towers]}
     if any(p[:3] == ("params", "params", "decoder") for p in leaves):  # MaxText's Linen tree
         raise MismatchError(f"{path}: is a MaxText checkpoint, not Tunix; use `ckptbridge convert "
                             "maxtext-to-safetensors`")
@@ -220,7 +227,26 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Tunix
                 f"{path}: leaf {'/'.join(p)} has shape {leaves[p][0]}, the config implies "
                 f"{e.tunix_shape}{layer_note(e)}; the checkpoint and the config disagree"
             )
-    return TunixSource(ckpt, cfg, spec, prefix, ents, suffix, config_dir)
+    return TunixSource(ckpt, cfg, spec, prefix, ents, suffix, config_dir, towers, spelling)
+
+
+def _stored_towers(path: str, cfg, spec, prefix: str, meta: Metadata, leaves: dict,
+                   suffix: tuple[str, ...]) -> tuple[list[mapping.Entry], dict[str, str]]:
+    """The towers' rows a checkpoint holds: all of each tower it has a leaf of (the missing ones
+    are then named by the caller), none when it has none (a checkpoint of the text model)."""
+    if not cfg.towers or prefix not in spec.tower_roots:
+        return [], {}
+    record = meta.towers or {}
+    found = record.get("spelling")
+    spelling: dict[str, str] = found if isinstance(found, dict) else {}
+    try:
+        rows = mapping.tower_entries(cfg, spec, prefix, spelling=spelling)
+    except UnsupportedError:
+        if any(p[:1] == (BESIDE,) for p in leaves):
+            raise
+        return [], {}  # towers this version has no rows for, and the checkpoint holds none of them
+    held = {e.tower for e in rows if e.tunix_path + suffix in leaves}
+    return [e for e in rows if e.tower in held], spelling if held else {}
 
 
 def _stored_layout(entry: mapping.Entry, leaf) -> mapping.Entry:
@@ -251,9 +277,10 @@ def target_tunix_version(tunix_version: str | None) -> str | None:
 class ToTunixReport(ConversionReport):
     """A model written as an Orbax checkpoint of the Tunix state."""
 
-    OMIT_NONE = ("scan_layers", "adapters")
+    OMIT_NONE = ("scan_layers", "adapters", "towers", "tower_notes")
 
     towers_dropped: int
+    towers: dict | None
     tunix_version: str | None
     chunk_bytes: int
     compression: bool
@@ -262,9 +289,12 @@ class ToTunixReport(ConversionReport):
     seconds: float
     scan_layers: bool | None = None  # a MaxText source's layout
     adapters: list[str] | None = None  # merged on the way
+    tower_notes: list[str] | None = None  # what Tunix's own loader does wrong with the towers written
 
     def summary(self) -> str:
-        text = self._head(self.seconds)
+        text = self._head(self.seconds) + towers_line(self.towers)
+        for note in self.tower_notes or ():
+            text += f"\n  note: {note}"
         if self.towers_dropped:
             text += f"\n  dropped {self.towers_dropped} vision/audio tensors (--skip-multimodal)"
         if self.scan_layers is not None:
@@ -272,6 +302,19 @@ class ToTunixReport(ConversionReport):
         if self.adapters:
             text += f"\n  merged: {', '.join(self.adapters)}"
         return text
+
+
+def tower_notes(rows: ModelRows) -> list[str]:
+    """What Tunix's own loader does wrong with the towers ``rows`` carries (logged, and in the report)."""
+    import logging
+
+    notes = []
+    for name in dict.fromkeys(e.tower for e in rows.tower_entries):
+        tower = rows.spec.tower(name or "")
+        if tower is not None and tower.tunix_note:
+            logging.getLogger(__name__).warning("%s", tower.tunix_note)
+            notes.append(tower.tunix_note)
+    return notes
 
 
 def leaf(rows: ModelRows, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyArray:
@@ -301,7 +344,9 @@ def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None 
     deps.require("orbax")
     target = target_tunix_version(tunix_version)
     mismatch = specs.note_mismatch(rows.cfg)
-    flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in mapping.for_tunix_version(rows.entries, target)}
+    ents = [*mapping.for_tunix_version(rows.entries, target), *rows.tower_entries]
+    flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in ents}
+    notes = tower_notes(rows)
     bar = progress_over(flat.values(), req.desc, req.progress)
     total = bar.total
     found = rows.assets()
@@ -316,10 +361,11 @@ def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None 
     return ToTunixReport(
         direction=req.direction, source=req.source, destination=dst, family=rows.spec.name, key_prefix=rows.prefix,
         layer_kinds=rows.cfg.layer_kinds(), tensors=len(flat), bytes=total, towers_dropped=rows.towers_dropped,
+        towers=tower_record(rows.tower_entries, rows.key_info) or None, tower_notes=notes or None,
         tunix_version=target, chunk_bytes=req.chunk_bytes, compression=compression, orbax_writer=writer,
         config_mismatch=mismatch, seconds=round(time.perf_counter() - req.t0, 3),
         scan_layers=rows.scan_layers, adapters=list(req.adapters) or None)
 
 
 __all__ = ["TunixSource", "ToTunixReport", "detect", "leaf", "open_orbax_source", "open_source", "stored_assets",
-           "target_tunix_version", "write"]
+           "target_tunix_version", "tower_notes", "write"]

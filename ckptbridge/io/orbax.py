@@ -116,7 +116,7 @@ class LazyArray:
 
     def checked(self, region: Region, arr) -> np.ndarray:
         """``arr`` as the contiguous values of ``region``, or a ValueError naming the mismatch."""
-        return _checked("leaf", self.region_shape(region), self.dtype, np.ascontiguousarray(arr))
+        return _checked("leaf", self.region_shape(region), self.dtype, np.ascontiguousarray(arr).reshape(np.shape(arr)))
 
     def produce_into(self, out: np.ndarray, engine: Engine) -> None:
         """Write every value into ``out`` (an array of this shape and dtype), piece by piece."""

@@ -196,6 +196,74 @@ class TunixModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class TowerConfig:
+    """A tower's sub-config as its rules read it: its layer count, axis sizes and flags."""
+
+    name: str
+    num_layers: int
+    sizes: Mapping[str, int]
+    flags: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tower:
+    """A non-text tower of a multimodal family (a vision or audio encoder and the projector that
+    feeds it to the text model): its tensors as rows, like the text model's.
+
+    Attributes:
+      name: ``"vision"`` or ``"audio"``: the HF config's ``{name}_config`` configures it.
+      rules: its rows. HF keys are the tower root (:attr:`FamilySpec.tower_roots`) followed by the
+        rule's suffix (scope ``"model"``) or by ``layer_prefix.{i}.`` and the suffix (scope
+        ``"layer"``, once per tower layer). The Tunix columns are paths in the Tunix model (``{i}``:
+        the tower layer) where the family's Tunix model holds the tower (``tunix``), else unused.
+        ``when`` names a flag of the tower's config.
+      layer_prefix: where the tower's layers are, under the tower root.
+      parse: ``(tower config, the text model's ModelConfig, where) -> TowerConfig``; raises
+        UnsupportedError for a setting the rules do not describe.
+      axes / flags: the vocabulary of its layouts and ``when``.
+      tunix: whether the family's Tunix model holds the tower (at the rules' Tunix paths);
+        otherwise a Tunix checkpoint keeps its tensors as HF stores them under ``towers/``
+        (:data:`BESIDE`), a subtree Tunix's model does not read.
+      tunix_note: what Tunix's own loader does wrong with this tower (one line, said where it
+        matters), or None.
+      aliases: ``(prefix, other)`` pairs: a checkpoint may store the keys the rules name under
+        ``prefix`` (past the root) under ``other`` instead (the one found is written back).
+    """
+
+    name: str
+    rules: tuple[TensorRule, ...]
+    layer_prefix: str
+    parse: Callable[[dict, Any, str], TowerConfig]
+    axes: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+    tunix: bool = False
+    tunix_note: str | None = None
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        known_axes = set(self.axes) | set(COMMON_AXES)
+        names = set()
+        for r in self.rules:
+            where = f"tower {self.name}, rule {r.name}"
+            if r.name in names:
+                raise ValueError(f"{where}: two rules with this name")
+            names.add(r.name)
+            if r.scope not in ("model", "layer") or r.fused or r.stack or r.lora or r.absolute or r.hf_absent:
+                raise ValueError(f"{where}: a tower row is one HF tensor of the tower or of its layers, no LoRA")
+            if r.when is not None and r.when not in self.flags:
+                raise ValueError(f"{where}: when={r.when!r} is not one of the tower's flags {self.flags}")
+            for lay in (r.hf_layout, r.tunix_layout):
+                unknown = set(layout.axes(lay)) - known_axes
+                if unknown:
+                    raise ValueError(f"{where}: layout {lay!r} uses undeclared axes {sorted(unknown)}")
+
+
+# the subtree of a Tunix checkpoint that keeps a tower Tunix's model does not hold (as HF stores it)
+BESIDE = "towers"
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """A model family (see the module docstring).
 
@@ -209,6 +277,9 @@ class FamilySpec:
       module_prefixes: on-disk prefix -> the prefix of the same modules inside the transformers
         model (and so in PEFT adapters), where the two differ.
       foreign_prefixes: key prefixes of towers that are not part of the text model.
+      towers: the non-text towers the family's multimodal checkpoints carry (:class:`Tower`).
+      tower_roots: text-model key prefix -> the prefix the towers' keys start with in a
+        checkpoint whose text model is stored under it (a text prefix not listed has no towers).
       tied_keys: HF keys that may be present without information of their own when the
         embedding is tied (a saved copy of the tied head).
       axes: axis letters the layouts use (besides ``c`` and ``one``).
@@ -238,6 +309,8 @@ class FamilySpec:
     model_flags: tuple[str, ...] = ()
     module_prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     foreign_prefixes: tuple[str, ...] = ()
+    towers: tuple[Tower, ...] = ()
+    tower_roots: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tied_keys: tuple[str, ...] = ()
     tunix: TunixModel | None = None
     vllm_tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -312,6 +385,26 @@ class FamilySpec:
     def default_prefixes(self) -> dict[str, str]:
         """model_type -> the key prefix transformers writes."""
         return {t.name: t.default_prefix for t in self.types}
+
+    def tower(self, name: str) -> Tower | None:
+        """The family's tower ``name`` (None: it has no rows for one)."""
+        return next((t for t in self.towers if t.name == name), None)
+
+    def tower_configs(self, cfg: Any, where: str = "config.json") -> dict[str, TowerConfig]:
+        """The towers ``cfg`` configures, parsed (name -> TowerConfig, in the family's order).
+        A tower the family has no rows for is a one-line UnsupportedError naming
+        ``--skip-multimodal``."""
+        from ckptbridge.errors import UnsupportedError
+
+        out: dict[str, TowerConfig] = {}
+        for name in cfg.towers:
+            tower = self.tower(name)
+            sub = cfg.hf_config.get(f"{name}_config")
+            if tower is None or not isinstance(sub, dict):
+                raise UnsupportedError(f"{where}: {name}_config: ckptbridge has no rows for a {self.name} {name} tower "
+                                       "of this form; pass --skip-multimodal to convert the text model alone")
+            out[name] = tower.parse(sub, cfg, f"{where} ({name}_config)")
+        return {t.name: out[t.name] for t in self.towers if t.name in out}
 
     def model_type(self, name: str) -> ModelType:
         for t in self.types:

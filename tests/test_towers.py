@@ -1,0 +1,156 @@
+"""A multimodal checkpoint's towers, proven by their own outputs.
+
+The round trips of the towers through every format are the format matrix's multimodal rows
+(tests/test_matrix.py) and the contract's (tests/test_contract.py); here is what only the towers
+have:
+
+- Gemma 3's SigLIP tower lands where Tunix's own safetensors mapping puts it (paths, shapes,
+  values; its loader's one bug, the position table's missing reshape, is the one difference and
+  makes the loader fail), and Tunix's vision encoder and projector, run on our Orbax checkpoint,
+  give transformers' image features; a prompt with an image gives transformers' logits.
+- A checkpoint written with the Hub's names of the tower (``vision_tower.vision_model.``) goes
+  through Tunix and back under those names, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from ckptbridge import convert
+from ckptbridge.formats.hf import open_hf_source
+from ckptbridge.formats.tunix import open_orbax_source
+from ckptbridge.verify import compare_tensors
+
+G3 = "gemma3_mm"  # float32, Gemma3ForConditionalGeneration as transformers saves it (language_model.model.)
+
+
+def hub_spelled(src: str, dst: str) -> str:
+    """A copy of a Gemma 3 checkpoint with the tower's keys as the Hub holds them (``vision_tower.vision_model.``)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst):
+        if name.endswith(".safetensors"):
+            t = load_file(os.path.join(dst, name))
+            t = {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.")
+                  and not k.startswith("vision_tower.vision_model.") else k): v for k, v in t.items()}
+            save_file(t, os.path.join(dst, name), metadata={"format": "pt"})
+    index = os.path.join(dst, "model.safetensors.index.json")
+    assert not os.path.exists(index)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def g3(checkpoints, tmp_path_factory):
+    """The Gemma 3 row in the Hub's names, and its Tunix checkpoint."""
+    root = tmp_path_factory.mktemp("towers")
+    hub = hub_spelled(checkpoints[G3], str(root / "hub"))
+    convert(hub, str(root / "tunix"), to="tunix", progress=False)
+    return hub, str(root / "tunix")
+
+
+def test_gemma3_tower_lands_where_tunix_maps_it(g3):
+    """Every tower tensor at the Tunix path Tunix's own mapping gives its HF key, with the values
+    its permutation gives; the position table is the one reshaped (its (t, w) to Tunix's (1, t, w),
+    which Tunix's mapping leaves out, so that its loader stops there)."""
+    from tunix.models.gemma3 import params_safetensors
+    from tunix.utils.torch_utils import torch_key_to_jax_key
+
+    from ckptbridge.tunix_model import tunix_model_config
+
+    hub, tunix = g3
+    with open_hf_source(hub, keep_towers=True) as source, open_orbax_source(tunix) as stored:
+        assert source.tower_spelling == {} and len(source.tower_entries) == 39
+        tcfg = tunix_model_config(source.cfg, towers=True)
+        mapping = params_safetensors._get_key_and_transform_mapping(tcfg)
+        ours = {e.tunix_path: np.asarray(stored.leaf(e)) for e in stored.tower_entries}
+        reshaped = []
+        for e in source.tower_entries:
+            (key,) = e.hf_keys
+            path, transform = torch_key_to_jax_key(mapping, key)
+            theirs = source.model.array(key)
+            if transform is not None:
+                permute, reshape = transform
+                theirs = theirs.transpose(permute) if permute else theirs
+                theirs = theirs.reshape(reshape) if reshape else theirs
+            got = ours[tuple(path.split("."))]
+            if got.shape != theirs.shape:
+                reshaped.append(path)
+                theirs = theirs.reshape(got.shape)
+            assert got.dtype == theirs.dtype and np.array_equal(got, theirs), path
+    assert reshaped == ["vision_encoder.siglip_encoder.pos_embedding"]
+    with pytest.raises(AssertionError, match="pos_embedding.*expected \\(1, 16, 24\\), got \\(16, 24\\)"):
+        params_safetensors.create_model_from_safe_tensors(hub, tcfg)
+
+
+def test_hub_names_round_trip(g3, tmp_path):
+    hub, tunix = g3
+    back = str(tmp_path / "back")
+    convert(tunix, back, to="hf", progress=False)
+    assert compare_tensors(hub, back).identical
+
+
+def _tunix_gemma3(tunix: str):
+    """Tunix's Gemma 3 with its vision encoder, every parameter from the Orbax checkpoint restored
+    with plain Orbax (no ckptbridge reader in between)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from ckptbridge.tunix_model import tunix_model_class, tunix_model_config
+
+    with open_orbax_source(tunix) as s:
+        tcfg, cls = tunix_model_config(s.cfg, towers=True), tunix_model_class(s.spec)
+    tree = ocp.PyTreeCheckpointer().restore(os.path.abspath(tunix))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(tcfg, rngs=nnx.Rngs(params=0))))
+    pure = state.to_pure_dict()
+
+    def fill(dst, src, where=()):
+        assert {str(k) for k in dst} == set(src), where
+        for key in dst:
+            if isinstance(dst[key], dict):
+                fill(dst[key], src[str(key)], where + (str(key),))
+            else:
+                assert tuple(dst[key].shape) == tuple(src[str(key)].shape), where + (str(key),)
+                dst[key] = jax.numpy.asarray(src[str(key)])
+
+    fill(pure, tree)
+    return nnx.merge(graphdef, pure)
+
+
+@pytest.mark.slow
+def test_gemma3_tunix_sees_as_transformers(g3, precise):
+    """Tunix's vision encoder + projector on our checkpoint give transformers' image features
+    within 1e-5 (relative L2), and a prompt with an image in it (bidirectional over the image's
+    soft tokens in both) transformers' logits within 5e-5, longer than the sliding window."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    hub, tunix = g3
+    model = _tunix_gemma3(tunix)
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(hub, dtype=torch.float32).eval()
+    c = hf.config
+    pixels = np.random.default_rng(3).standard_normal((2, 3, c.vision_config.image_size,
+                                                        c.vision_config.image_size)).astype(np.float32)
+    with torch.no_grad():
+        want = hf.get_image_features(torch.tensor(pixels), return_dict=True).pooler_output.numpy()
+    images = jnp.asarray(pixels.transpose(0, 2, 3, 1))[:, None]  # b n h w c
+    got = np.asarray(model._encode_vision(images)).reshape(want.shape)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
+
+    image = [c.boi_token_id] + [c.image_token_id] * c.mm_tokens_per_image + [c.eoi_token_id]
+    tokens = np.array([[2, 10, 11, *image, 20, 21, 22, 23, 24], [2, 30, *image, 40, 41, 42, 43, 44, 45]])
+    assert tokens.shape[1] > 2 * c.text_config.sliding_window
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                  token_type_ids=torch.tensor((tokens == c.image_token_id).astype(np.int64))).logits.numpy()
+    positions = jnp.tile(jnp.arange(tokens.shape[1])[None], (len(tokens), 1))
+    got, _ = model(jnp.asarray(tokens), positions, None, model.get_attention_mask(jnp.asarray(tokens)), images=images)
+    got = np.asarray(got)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 5e-5
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
