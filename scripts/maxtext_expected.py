@@ -41,8 +41,11 @@ MaxText's mapping raises: Gemma 4 small has no scanned form) and `rows`, each `<
 `scan_layers`, `maxtext_model` (the PARAM_MAPPING entry), `maxtext_config`, `hf_config`, `keys` (above).
 
 Which mapping keys exist in the MaxText model is decided, as `validate_and_filter_param_map_keys` does
-against the abstract model, from the row's `maxtext_config`: vision keys are dropped (`use_multimodal`
-false), `logits_dense` only without `logits_via_embedding`, q/k/v biases only with `attention_bias`,
+against the abstract model, from the row's `maxtext_config`: vision keys only in the multimodal rows
+(`use_multimodal` true: Gemma 3's SigLIP tower, Gemma 4 31B's and 26B's vision tower, whose per-layer
+MaxText shapes are declared from MaxText's vision encoders: attention kernels [in, heads, hidden /
+heads] and biases [heads, hidden / heads], the output [heads, hidden / heads, out], 2-D kernels
+[in, out]), `logits_dense` only without `logits_via_embedding`, q/k/v biases only with `attention_bias`,
 q/k norms only with `use_qk_norm`. The MaxText config object the mapping functions read is a namespace
 with the attributes they use (`param_scan_axis` 1, `share_kv_projections`, `v_norm_with_scale`,
 `use_multimodal`, `weight_dtype`), valued as in MaxText's base.yml and the family's model yml. HF configs
@@ -150,6 +153,7 @@ class Row:
     share_kv_projections: bool = False
     v_norm_with_scale: bool = False
     maxtext_vocab: int | None = None  # MaxText vocab_size when it differs from HF's (Gemma 2 pads)
+    multimodal: bool = False  # use_multimodal: the vision tower's keys too
     notes: list[str] = field(default_factory=list)
 
 
@@ -251,9 +255,9 @@ ROWS = [
     Row("llama3.1", "llama3.1-8b", llama31, logits_via_embedding=False, use_qk_norm=False),
     Row("gemma2", "gemma2-2b", gemma2, use_qk_norm=False, maxtext_vocab=384,
         notes=["MaxText vocab 384 = HF 300 padded to a multiple of 128, as gemma2-*.yml pads 256000 to 256128"]),
-    Row("gemma3", "gemma3-4b", gemma3),
-    Row("gemma4-dense", "gemma4-31b", gemma4_dense, share_kv_projections=True),
-    Row("gemma4-moe", "gemma4-26b", gemma4_moe, share_kv_projections=True),
+    Row("gemma3", "gemma3-4b", gemma3, multimodal=True),
+    Row("gemma4-dense", "gemma4-31b", gemma4_dense, share_kv_projections=True, multimodal=True),
+    Row("gemma4-moe", "gemma4-26b", gemma4_moe, share_kv_projections=True, multimodal=True),
     Row("gemma4-small", "gemma4-e2b", gemma4_small),
 ]
 
@@ -262,14 +266,14 @@ def maxtext_config(row: Row, scan_layers: bool) -> types.SimpleNamespace:
     """The attributes of MaxText's pyconfig that param_mapping.py and the conversion code read."""
     return types.SimpleNamespace(scan_layers=scan_layers, param_scan_axis=PARAM_SCAN_AXIS,
                                  share_kv_projections=row.share_kv_projections,
-                                 v_norm_with_scale=row.v_norm_with_scale, use_multimodal=False,
+                                 v_norm_with_scale=row.v_norm_with_scale, use_multimodal=row.multimodal,
                                  weight_dtype=WEIGHT_DTYPE)
 
 
 def in_maxtext_model(mt_key: str, row: Row) -> bool:
     """Stand-in for the abstract-model check in utils.validate_and_filter_param_map_keys."""
     if mt_key.startswith("params-vision_encoder-"):
-        return False  # use_multimodal: false
+        return row.multimodal  # use_multimodal
     if mt_key == "params-decoder-logits_dense-kernel":
         return not row.logits_via_embedding
     if mt_key.endswith(("-query-bias", "-key-bias", "-value-bias")):
@@ -305,9 +309,28 @@ def hf_layer(hf_key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def declared_vision_shape(mt_key: str, hf_shape: Shape, vision_cfg: dict[str, Any]) -> Shape:
+    """MaxText shape of a vision tower's key whose to_maxtext hooks reshape into the model's shape
+    (gemma3.Encoder1DBlock, gemma4_vision.Gemma4EncoderBlock: heads of hidden / heads, as many kv
+    heads as query heads)."""
+    heads = vision_cfg["num_attention_heads"]
+    if mt_key.endswith(("-query-kernel", "-key-kernel", "-value-kernel")):  # HF (N*H, W) -> (W, N, H)
+        return (hf_shape[1], heads, hf_shape[0] // heads)
+    if mt_key.endswith("-out-kernel"):  # HF (W, N*H) -> (N, H, W)
+        return (heads, hf_shape[1] // heads, hf_shape[0])
+    if mt_key.endswith(("-query-bias", "-key-bias", "-value-bias")):  # HF (N*H,) -> (N, H)
+        return (heads, hf_shape[0] // heads)
+    if mt_key.endswith("-kernel") and len(hf_shape) == 2:  # HF (out, in) -> (in, out)
+        return (hf_shape[1], hf_shape[0])
+    return hf_shape  # biases, norms, tables
+
+
 def declared_slice_shape(mt_key: str, hf_key: str, hf_shape: Shape, hf_shapes: dict[str, list[int]],
-                         text_cfg: dict[str, Any], mt_vocab: int) -> Shape:
+                         text_cfg: dict[str, Any], mt_vocab: int, vision_cfg: dict[str, Any] | None = None) -> Shape:
     """Per-layer MaxText shape for keys whose to_maxtext hooks reshape into the model's shape."""
+    if mt_key.startswith("params-vision_encoder-"):
+        assert vision_cfg is not None
+        return declared_vision_shape(mt_key, hf_shape, vision_cfg)
     heads = text_cfg["num_attention_heads"]
     layer = hf_layer(hf_key)
     head_dim = None
@@ -501,7 +524,8 @@ def build_row(mx: dict[str, types.ModuleType], row: Row, scan_layers: bool) -> d
                 probe = th.apply_hook_fns(np.zeros(hf_shape, np.float32), _NoTarget(), hooks)
                 slice_shape, source = tuple(probe.shape), "hooks"
             except (LookupError, TypeError, ValueError):
-                slice_shape = declared_slice_shape(mt_key, first_key, hf_shape, hf_shapes, text_cfg, mt_vocab)
+                slice_shape = declared_slice_shape(mt_key, first_key, hf_shape, hf_shapes, text_cfg, mt_vocab,
+                                                   hf_config.get("vision_config"))
                 source = "declared"
         target = stacked_shape(value, slice_shape, cfg, mt_key)
         out_dtypes = {}

@@ -43,9 +43,9 @@ MAXTEXT_ROWS = [f"{family}/{scan}" for family in MAXTEXT_FAMILIES for scan in ("
 
 def maxtext_plan(row: dict) -> list:
     """Our MaxText leaves (ckptbridge.formats.maxtext.layout.plan) for a row of expected.json, with the HF
-    key prefix its keys use."""
+    key prefix its keys use (the vision tower's too, in the multimodal rows)."""
     from ckptbridge import mapping, specs
-    from ckptbridge.formats.maxtext.layout import plan
+    from ckptbridge.formats.maxtext.layout import plan, tower_plan
     from ckptbridge.formats.hf import find_prefix
 
     def flat(value):
@@ -54,8 +54,9 @@ def maxtext_plan(row: dict) -> list:
     spec = specs.family_for(row["hf_config"])
     cfg = spec.parse_config(row["hf_config"], "expected.json")
     prefix = find_prefix(spec, [k for v in row["keys"].values() for k in flat(v["hf"])])
+    towers = mapping.tower_entries(cfg, spec, prefix) if row["maxtext_config"]["use_multimodal"] else []
     return plan(mapping.entries(cfg, spec, prefix), spec.maxtext, row["scan_layers"], cfg.flags,
-                vocab=row["maxtext_config"]["vocab_size"])
+                vocab=row["maxtext_config"]["vocab_size"]) + tower_plan(towers, spec.maxtext)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,9 @@
 tests/data/maxtext/expected.json holds, per MaxText key of every family row, the sha256 of what
 MaxText's to_maxtext hooks and stacking make from bf16 HF tensors whose values follow from their
 names (`ckptbridge.testing.keyed_values`), and of what its to_huggingface (weight_dtype bfloat16)
-makes from that back (scripts/maxtext_expected.py runs MaxText's code). Here the same HF tensors go
-through our verbs: every MaxText tensor and every HF tensor back must have those bytes. Then
+makes from that back (scripts/maxtext_expected.py runs MaxText's code), the vision towers' too in the
+rows of Gemma 3 and Gemma 4 31B/26B. Here the same HF tensors go through our verbs: every MaxText
+tensor and every HF tensor back must have those bytes. Then
 real models: logits with transformers after a round trip, errors, NNX trees. (Round trips of the
 tensors, and MaxText to and from Tunix, are the format matrix's: tests/test_matrix.py.)"""
 
@@ -57,7 +58,7 @@ def test_tensors_are_what_maxtexts_conversions_make(maxtext_rows, name, chunk_si
     convert_safetensors_to_maxtext(str(tmp_path / "hf"), str(tmp_path / "mt"), scan_layers=row["scan_layers"],
                                    chunk_size=chunk_size, progress=False,
                                    vocab_size=row["maxtext_config"]["vocab_size"],
-                                   skip_multimodal="vision_config" in row["hf_config"])  # configs of the VLMs
+                                   skip_multimodal=not row["maxtext_config"]["use_multimodal"])  # the VLMs' towers
     with orbax_io.OrbaxCheckpoint(str(tmp_path / "mt" / "0" / ITEM)) as ckpt:
         paths = {"-".join(p[1:]): p for p in ckpt.leaves if p[:2] == ROOT}
         assert sorted(paths) == sorted(row["keys"])
