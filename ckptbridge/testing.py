@@ -62,8 +62,9 @@ def keyed_values(key: str, shape, dtype="bfloat16"):
     return x.reshape(tuple(shape)).astype(np.dtype(dtype))
 
 
-def build_tokenizer(out_dir: str, vocab_size: int) -> None:
-    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens with a chat template; save it."""
+def build_tokenizer(out_dir: str, vocab_size: int, extra: dict[str, str] | None = None) -> None:
+    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens with a chat template; save it.
+    ``extra``: named special tokens (a multimodal model's: attribute -> token), ids after the text ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,9 +78,10 @@ def build_tokenizer(out_dir: str, vocab_size: int) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    extra = dict(extra or {})
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra.values()),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -91,6 +93,7 @@ def build_tokenizer(out_dir: str, vocab_size: int) -> None:
         pad_token="<pad>",
         unk_token="<unk>",
         additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+        **({"extra_special_tokens": extra} if extra else {}),
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
@@ -149,7 +152,11 @@ def build_checkpoint(
     model.save_pretrained(out_dir, max_shard_size=max_shard)
     if tokenizer:
         vocab = getattr(config, "text_config", config).vocab_size
-        build_tokenizer(out_dir, vocab)
+        kind = spec.model_type(mt)
+        multimodal = bool(spec.parse_config(cfg | {"model_type": mt}, "tiny").towers)
+        build_tokenizer(out_dir, vocab, dict(kind.tiny_tokens) if multimodal else None)
+        if multimodal and kind.tiny_processor is not None:
+            kind.tiny_processor(out_dir, {"model_type": mt, **cfg})
     return out_dir
 
 

@@ -61,10 +61,10 @@ def _read_options(fmt: str, orig: str) -> dict:
 def _family(path: str):
     from ckptbridge.formats.hf import open_hf_source
 
-    with open_hf_source(path, skip_multimodal=True) as s:
+    with open_hf_source(path, keep_towers=True) as s:
         keys: dict[str, list[str]] = {}
-        for e in s.entries:
-            keys.setdefault(e.rule.name, []).extend(e.hf_keys)
+        for e in s.all_entries:  # a tower's rows as tower:rule (as Format.inexact names them)
+            keys.setdefault(f"{e.tower}:{e.rule.name}" if e.tower else e.rule.name, []).extend(e.hf_keys)
         return s.spec, s.cfg, keys
 
 

@@ -30,6 +30,7 @@ G3 = "gemma3_mm"  # float32, Gemma3ForConditionalGeneration as transformers save
 
 def hub_spelled(src: str, dst: str) -> str:
     """A copy of a Gemma 3 checkpoint with the tower's keys as the Hub holds them (``vision_tower.vision_model.``)."""
+    import ml_dtypes  # noqa: F401  (numpy knows bfloat16)
     from safetensors.numpy import load_file, save_file
 
     shutil.copytree(src, dst)

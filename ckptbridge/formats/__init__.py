@@ -99,7 +99,8 @@ class Format:
 
     def inexact(self, spec, cfg, **options) -> dict[str, str]:
         """The family's rows that a round trip through this format (written with ``options``) does
-        not give back bit for bit, each with why (the pair's bound, from the family's spec)."""
+        not give back bit for bit, each with why (the pair's bound, from the family's spec); a
+        tower's rows as ``tower:rule``."""
         fn = getattr(self.impl(), "inexact_rules", None)
         return fn(spec, cfg, **options) if fn is not None else {}
 
@@ -150,6 +151,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("kv", "k/v with different lora_A: exact stacks them at rank r_k + r_v; svd keeps rank r with the "
            "best shared A and reports the error", default="exact", choices=options.KV_MODES),
     Option("save_step", "step number a Tunix LoRA checkpoint is written at", "int", 0, metavar="N"),
+    Option("mmproj", "ggml's projector file of a multimodal model's vision/audio towers, beside the text GGUF "
+           "(default: mmproj-<its name> in its directory)", metavar="PATH"),
 )}
 
 # Options of every conversion (the streaming engine's), never refused
@@ -187,10 +190,10 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "query times 1/sqrt(head_dim)) comes back within one rounding of its dtype"),
     Format("gguf", MODEL, "GGUF file (ggml's runtimes: its CLI and server, Ollama, LM Studio)",
            "ckptbridge.formats.gguf.model",
-           read_options=("config", "dtype", "skip_multimodal"), write_options=("outtype", "tokenizer", "name"),
-           suffix=".gguf",
+           read_options=("config", "dtype", "skip_multimodal", "mmproj"),
+           write_options=("outtype", "tokenizer", "name", "mmproj"), suffix=".gguf",
            bound=f"{_NORMS}; {_Q8}", lossless=(("outtype", "auto"),), read_module="ckptbridge.formats.gguf.reader",
-           towers="drop"),
+           towers="keep"),
     Format("peft", ADAPTER, "PEFT LoRA adapter directory (transformers, vLLM)", "ckptbridge.formats.peft",
            write_options=("target", "base_id")),
     Format("tunix-lora", ADAPTER, "Tunix/qwix LoRA checkpoint (Orbax)", "ckptbridge.formats.tunix_lora",

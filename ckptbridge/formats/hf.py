@@ -23,7 +23,7 @@ import numpy as np
 
 from ckptbridge import mapping, model_card, options, specs
 from ckptbridge.config import ModelConfig
-from ckptbridge.errors import MismatchError, UnsupportedError
+from ckptbridge.errors import CkptBridgeError, MismatchError, UnsupportedError
 from ckptbridge.io import storage
 from ckptbridge.io.files import close_on_error
 from ckptbridge.io.hf import HFModelDir, write_model_directory
@@ -284,6 +284,21 @@ def tower_spelling(spec: FamilySpec, root: str, keys: Collection[str]) -> dict[s
             if not any(k.startswith(root + prefix) for k in keys) and any(k.startswith(root + other) for k in keys):
                 found[prefix] = other
     return found
+
+
+def spelling_beside(directory: str | None, spec: FamilySpec, prefix: str) -> dict[str, str]:
+    """The towers' key spellings of the HF model in ``directory`` (a ``--config`` directory that
+    holds the model's weights too), for a source that does not record its own (a GGUF or MaxText
+    checkpoint made by other tools): read from its tensors' names, no weight read; none where the
+    directory holds no weights (the rules' own spelling is written)."""
+    if not directory or storage.is_remote(directory) or prefix not in spec.tower_roots \
+            or not os.path.isfile(os.path.join(directory, "config.json")):
+        return {}
+    try:
+        with HFModelDir(directory) as model:
+            return tower_spelling(spec, spec.tower_roots[prefix], model.keys())
+    except CkptBridgeError:  # no weights there (a config alone), or weights of no use: the rules' spelling
+        return {}
 
 
 def _validate_towers(model: HFModelDir, cfg: ModelConfig, spec: FamilySpec, prefix: str,

@@ -17,11 +17,12 @@ uint32, token types as int32 arrays and so on, and a Python ``int`` alone does n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -199,25 +200,41 @@ def write_gguf(dst: str, metadata: Mapping[str, Value], tensors: Iterable[Planne
     """Write a GGUF file at ``dst``: the tensors' stored forms made one at a time, in order (peak
     memory about the largest one), into a temporary name renamed into place at the end (a
     failure leaves nothing). Returns the file's size."""
-    planned = list(tensors)
-    names = [t.name for t in planned]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"tensor {dup!r} is planned twice")
-    alignment = _alignment(metadata)
-    head = header_bytes(metadata, planned, alignment)
-    check_destination(dst, list(sources), overwrite)
-    with atomic_directory(dst, overwrite) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for t in planned:
-                _write_tensor(f, t, alignment)
-                if on_written is not None:
-                    on_written(t.nbytes)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-    return size
+    return write_gguf_files([(dst, metadata, tensors)], overwrite=overwrite, sources=sources,
+                            on_written=on_written)[0]
+
+
+def write_gguf_files(files: Sequence[tuple[str, Mapping[str, Value], Iterable[PlannedTensor]]], *,
+                     overwrite: bool = False, sources: Iterable[str] = (),
+                     on_written: Callable[[int], None] | None = None) -> list[int]:
+    """Write several GGUF files (a model's text file and its projector file) as :func:`write_gguf`
+    writes one, in order, each under a temporary name; all are renamed into place only when every
+    one is written (a failure leaves none). Returns their sizes."""
+    plans = []
+    for dst, metadata, tensors in files:
+        planned = list(tensors)
+        names = [t.name for t in planned]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tensor {dup!r} is planned twice")
+        alignment = _alignment(metadata)
+        plans.append((dst, header_bytes(metadata, planned, alignment), planned, alignment))
+    for dst, *_ in plans:
+        check_destination(dst, list(sources), overwrite)
+    sizes = []
+    with contextlib.ExitStack() as stack:
+        for dst, head, planned, alignment in plans:
+            tmp = stack.enter_context(atomic_directory(dst, overwrite))
+            with open(tmp, "wb") as f:
+                f.write(head)
+                for t in planned:
+                    _write_tensor(f, t, alignment)
+                    if on_written is not None:
+                        on_written(t.nbytes)
+                f.flush()
+                os.fsync(f.fileno())
+                sizes.append(f.tell())
+    return sizes
 
 
 def _write_tensor(f: BinaryIO, t: PlannedTensor, alignment: int) -> None:

@@ -151,12 +151,18 @@ class ModelType:
         says which prefix a model uses).
       tiny: ``(**overrides) -> HF config dict`` of a tiny random model of this type with distinct
         dims, for tests and examples (None: none).
+      tiny_tokens: a tiny multimodal model's special tokens (tokenizer attribute -> token, in the
+        order their ids follow the text tokens'); ``tiny_processor``: ``(directory, HF config)``
+        writes its processor files beside its tokenizer (the image processor's normalization, the
+        soft tokens per image), as a multimodal release ships them.
     """
 
     name: str
     hf_class: str
     default_prefix: str
     tiny: Callable[..., dict] | None = None
+    tiny_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tiny_processor: Callable[[str, dict], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

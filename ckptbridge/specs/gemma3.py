@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from ckptbridge.config import FULL, SLIDING, LayerConfig, ModelConfig, check_heads, int_field, layer_types
@@ -343,8 +345,25 @@ def tiny_config(model_type: str = "gemma3_text", **overrides: Any) -> dict:
     if model_type == "gemma3_text":
         return {**text, "architectures": ["Gemma3ForCausalLM"]}
     return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
-            "vision_config": dict(TINY_VISION), "mm_tokens_per_image": 4, "image_token_index": 299,
-            "boi_token_index": 297, "eoi_token_index": 298, "tie_word_embeddings": True}
+            "vision_config": dict(TINY_VISION), "mm_tokens_per_image": 4, "boi_token_index": 6, "eoi_token_index": 7,
+            "image_token_index": 8, "tie_word_embeddings": True}
+
+
+# the tiny multimodal model's tokens (ids 6, 7, 8: after the tiny tokenizer's six text ones), as the
+# Gemma 3 tokenizer names them
+TINY_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def tiny_processor(directory: str, hf_config: dict) -> None:
+    """Gemma 3's processor for the tiny model in ``directory`` (its tokenizer there): images resized
+    to the tower's size, normalized to [-1, 1], ``mm_tokens_per_image`` soft tokens each."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor
+
+    size = _square(hf_config["vision_config"].get("image_size", VISION_DEFAULTS["image_size"]), "image_size",
+                   "vision_config")
+    images = Gemma3ImageProcessor(size={"height": size, "width": size}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    Gemma3Processor(image_processor=images, tokenizer=AutoTokenizer.from_pretrained(directory),
+                    image_seq_length=int(hf_config.get("mm_tokens_per_image", 256))).save_pretrained(directory)
 
 
 def gguf_metadata(h: dict, block_count: int) -> list:
@@ -367,8 +386,45 @@ def gguf_metadata(h: dict, block_count: int) -> list:
     return out
 
 
+def mmproj_metadata(cfg: ModelConfig, towers: Mapping[str, Any], processor: Mapping[str, Any]) -> list:
+    """The projector file's ``clip.*`` keys as ggml's converter writes them for Gemma 3
+    (``Gemma3VisionModel``): the vision tower's sizes, the image normalization, the projector type,
+    and the pooling factor of a tower that pools other than 4 x 4."""
+    from ckptbridge.specs.ggml import f32, string, u32
+
+    vision = towers["vision"]
+    v, hv = vision.sizes, vision.hf_config
+    out = ggml.clip_vision_metadata(cfg, vision, _square(hv.get("image_size", VISION_DEFAULTS["image_size"]),
+                                                         "image_size", "vision_config"), processor)
+    out += [("clip.projector_type", string("gemma3")),
+            ("clip.vision.attention.layer_norm_epsilon", f32(hv.get("layer_norm_eps", 1e-6))),
+            ("clip.use_gelu", ("bool", True))]
+    per_side = int(int(processor.get("image_seq_length", 256)) ** 0.5)
+    factor = int(math.isqrt(v["t"])) // per_side if per_side else 0
+    if factor > 0 and factor != 4:  # (only written where it is not the default)
+        out.append(("clip.vision.projector.scale_factor", u32(factor)))
+    return out
+
+
+_V = "v.blk.{i}."
+PROJECTOR = ggml.Projector(
+    names={"vision": {
+        "patch": ("v.patch_embd.weight", None), "patch_bias": ("v.patch_embd.bias", None),
+        "positions": ("v.position_embd.weight", None),
+        "ln1": (_V + "ln1.weight", None), "ln1_bias": (_V + "ln1.bias", None),
+        "ln2": (_V + "ln2.weight", None), "ln2_bias": (_V + "ln2.bias", None),
+        **{f"{r}{b}": (f"{_V}attn_{n}.{w}", None) for r, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))
+           for b, w in (("", "weight"), ("_bias", "bias"))},
+        "fc1": (_V + "ffn_up.weight", None), "fc1_bias": (_V + "ffn_up.bias", None),
+        "fc2": (_V + "ffn_down.weight", None), "fc2_bias": (_V + "ffn_down.bias", None),
+        "post_norm": ("v.post_ln.weight", None), "post_norm_bias": ("v.post_ln.bias", None),
+        "mm_projection": ("mm.input_projection.weight", None), "mm_norm": ("mm.soft_emb_norm.weight", None)}},
+    metadata=mmproj_metadata,
+    values={("vision", "mm_norm"): "plus_one"},
+    types={("vision", "mm_projection"): "f16", ("vision", "patch"): "f32", ("vision", "positions"): "f32"},
+)
 GGUF = ggml.GGUFSpec(arch="gemma3", names={**ggml.COMMON_NAMES, **ggml.SANDWICH_NAMES}, metadata=gguf_metadata,
-                     norm_shift=1.0)
+                     norm_shift=1.0, projector=PROJECTOR)
 
 DEFAULT_PREFIXES = {"gemma3": "language_model.model.", "gemma3_text": "model."}
 
@@ -377,7 +433,7 @@ GEMMA3 = FamilySpec(
     types=(ModelType("gemma3_text", "Gemma3ForCausalLM", DEFAULT_PREFIXES["gemma3_text"],
                      functools.partial(tiny_config, "gemma3_text")),
            ModelType("gemma3", "Gemma3ForConditionalGeneration", DEFAULT_PREFIXES["gemma3"],
-                     functools.partial(tiny_config, "gemma3"))),
+                     functools.partial(tiny_config, "gemma3"), TINY_TOKENS, tiny_processor)),
     rules=RULES,
     key_prefixes=("language_model.model.", "model.language_model.", "model."),
     module_prefixes={"language_model.model.": "model.language_model."},

@@ -413,6 +413,16 @@ TINY_TOKENS = {"image_token_id": 299, "audio_token_id": 298, "video_token_id": 2
                "eoi_token_id": 295, "boa_token_id": 294, "eoa_token_index": 293}
 
 
+def tiny_processor(directory: str, hf_config: dict) -> None:
+    """Gemma 4's image processor for a tiny model in ``directory`` (its patches and pooling; the
+    normalization of the released models)."""
+    from transformers import Gemma4ImageProcessor
+
+    vision = hf_config.get("vision_config") or {}
+    Gemma4ImageProcessor(patch_size=vision.get("patch_size", 16),
+                         pooling_kernel_size=vision.get("pooling_kernel_size", 3)).save_pretrained(directory)
+
+
 def tiny_config(model_type: str = "gemma4_text", **overrides: Any) -> dict:
     """HF config of a tiny random Gemma 4 (k_eq_v global layers unless ``attention_k_eq_v=False``).
     ``vision`` / ``audio``: the ``gemma4`` model type with a tiny vision / audio tower (True) or
@@ -501,6 +511,7 @@ def gguf_defaults(cfg: ModelConfig) -> dict:
 
 GGUF = ggml.GGUFSpec(
     arch="gemma4", metadata=gguf_metadata, extra=gguf_rope_freqs, tokenizer="gemma4", defaults=gguf_defaults,
+    projector=gemma4_towers.PROJECTOR,
     visible_tokens=frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                               "<tool_response|>", '<|"|>'}),
     names={**ggml.COMMON_NAMES, **ggml.SANDWICH_NAMES,
@@ -525,7 +536,7 @@ DEFAULT_PREFIXES = {"gemma4": "model.language_model.", "gemma4_text": "model."}
 GEMMA4 = FamilySpec(
     name="gemma4",
     types=(ModelType("gemma4", "Gemma4ForConditionalGeneration", DEFAULT_PREFIXES["gemma4"],
-                     functools.partial(tiny_config, "gemma4")),
+                     functools.partial(tiny_config, "gemma4"), tiny_processor=tiny_processor),
            ModelType("gemma4_text", "Gemma4ForCausalLM", DEFAULT_PREFIXES["gemma4_text"],
                      functools.partial(tiny_config, "gemma4_text"))),
     rules=RULES,

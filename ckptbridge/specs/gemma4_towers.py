@@ -19,10 +19,12 @@ convolution's gated input), ``e`` = w (a square projection's input), ``r`` the d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ckptbridge.config import int_field
 from ckptbridge.errors import ConfigError, UnsupportedError
+from ckptbridge.specs import ggml
 from ckptbridge.specs.base import TensorRule, Tower, TowerConfig
 
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
@@ -148,3 +150,62 @@ TINY_VISION: dict[str, Any] = dict(hidden_size=32, intermediate_size=44, num_hid
 TINY_AUDIO: dict[str, Any] = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
                                   subsampling_conv_channels=[8, 6], conv_kernel_size=5, output_proj_dims=20,
                                   attention_chunk_size=4, attention_context_left=5, use_clipped_linears=True)
+
+# --------------------------------------------------------------------------- ggml's projector file
+
+def mmproj_metadata(cfg: Any, towers: Mapping[str, Any], processor: Mapping[str, Any]) -> list:
+    """The projector file's ``clip.*`` keys as ggml's converter writes them for Gemma 4
+    (``Gemma4VisionAudioModel``): the vision tower's (its image size fixed at 224, unused), the
+    audio tower's (feed-forward 4 x hidden), the projector types, 128 mel bins, norms' epsilon."""
+    from ckptbridge.specs.ggml import f32, string, u32
+
+    out = ggml.clip_vision_metadata(cfg, towers["vision"], 224, processor)
+    audio = towers.get("audio")
+    if audio is not None:
+        out += ggml.clip_audio_metadata(cfg, audio, 4 * audio.sizes["w"])
+    out += [("clip.vision.projector_type", string("gemma4v")),
+            ("clip.vision.attention.layer_norm_epsilon", f32(towers["vision"].hf_config.get("layer_norm_eps", 1e-6)))]
+    if audio is not None:
+        out += [("clip.audio.projector_type", string("gemma4a")),
+                ("clip.audio.num_mel_bins", u32(audio.hf_config.get("input_feat_size", 128))),
+                ("clip.audio.attention.layer_norm_epsilon", f32(audio.hf_config.get("layer_norm_eps", 1e-6)))]
+    return out
+
+
+_V, _A = "v.blk.{i}.", "a.blk.{i}."
+_FF = (("feed_forward1", ""), ("feed_forward2", "_1"))
+PROJECTOR = ggml.Projector(
+    names={
+        "vision": ggml.clipped({
+            "patch": ("v.patch_embd.weight", "w c y x"), "positions": ("v.position_embd.weight", None),
+            "std_scale": ("v.std_scale", None), "std_bias": ("v.std_bias", None),
+            "projection": ("mm.input_projection.weight", None),
+            **{r: (f"{_V}attn_{n}.weight", None) for r, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))},
+            "q_norm": (_V + "attn_q_norm.weight", None), "k_norm": (_V + "attn_k_norm.weight", None),
+            **{r: (f"{_V}ffn_{r}.weight", None) for r in ("gate", "up", "down")},
+            "input_layernorm": (_V + "ln1.weight", None),
+            "post_attention_layernorm": (_V + "attn_post_norm.weight", None),
+            "pre_feedforward_layernorm": (_V + "ln2.weight", None),
+            "post_feedforward_layernorm": (_V + "ffn_post_norm.weight", None)}),
+        "audio": ggml.clipped({
+            "conv0": ("a.conv1d.0.weight", None), "conv0_norm": ("a.conv1d.0.norm.weight", None),
+            "conv1": ("a.conv1d.1.weight", None), "conv1_norm": ("a.conv1d.1.norm.weight", None),
+            "input_proj": ("a.input_projection.weight", None),
+            **{f"{ff}{part}": (f"{_A}{name}{n}.weight", None) for ff, n in _FF
+               for part, name in (("_in", "ffn_up"), ("_out", "ffn_down"), ("_pre_norm", "ffn_norm"),
+                                  ("_post_norm", "ffn_post_norm"))},
+            "per_dim_scale": (_A + "per_dim_scale.weight", None),
+            **{r: (f"{_A}attn_{n}.weight", None) for r, n in (("q", "q"), ("k", "k"), ("v", "v"), ("post", "out"))},
+            "relative_k": (_A + "attn_k_rel.weight", None),
+            "conv_start": (_A + "conv_pw1.weight", None), "conv_end": (_A + "conv_pw2.weight", None),
+            "depthwise": (_A + "conv_dw.weight", "w (one r)"), "conv_pre_norm": (_A + "conv_norm.weight", None),
+            "conv_norm": (_A + "norm_conv.weight", None), "norm_pre_attn": (_A + "attn_pre_norm.weight", None),
+            "norm_post_attn": (_A + "attn_post_norm.weight", None), "norm_out": (_A + "ln2.weight", None),
+            "output_proj": ("a.pre_encode.out.weight", None), "output_proj_bias": ("a.pre_encode.out.bias", None),
+            "projection": ("mm.a.input_projection.weight", None)}),
+    },
+    metadata=mmproj_metadata,
+    values={("audio", "per_dim_scale"): "softplus"},
+    types={("vision", "patch"): "patch", ("vision", "positions"): "f32",
+           **{("audio", r): "f32" for r in ("conv0", "conv1", "input_proj", "depthwise")}},
+)

@@ -95,6 +95,66 @@ class GGUFSpec:
     spm_ids: Mapping[str, int] = dataclasses.field(default_factory=dict)
     unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
     defaults: Callable[[Any], dict] | None = None
+    projector: Projector | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Projector:
+    """A family's towers in ggml's projector file (``mmproj``, architecture ``clip``), as ggml's
+    converter writes it with ``--mmproj``: a GGUF file of its own beside the text model's.
+
+    Attributes:
+      names: tower -> rule name -> (GGUF name, GGUF layout): ``{i}`` in the name the tower layer;
+        the layout, over the rule's axes, the stored tensor's (None: the HF layout; a scalar is
+        stored with one axis of 1).
+      metadata: ``(cfg, tower configs, processor config) -> [(key, value)]``: the ``clip.*`` keys
+        in ggml's order (the processor config: preprocessor_config.json and processor_config.json
+        merged, as the converter reads them).
+      values: (tower, rule) -> the value change the converter makes (``plus_one``: a norm stored
+        as 1 + w; ``softplus``).
+      types: (tower, rule) -> the stored type the converter forces: ``f32``, ``f16``, or ``patch``
+        (float16 in a float16 file, else float32); every other follows the file's type, but 1-D
+        tensors, norms and names not ending ``.weight``, which are float32.
+    """
+
+    names: Mapping[str, Mapping[str, tuple[str, str | None]]]
+    metadata: Callable[[Any, Mapping[str, Any], Mapping[str, Any]], list]
+    values: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    types: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+
+
+def clipped(names: Mapping[str, tuple[str, str | None]],
+            bounds: tuple[str, ...] = ("input_min", "input_max", "output_min", "output_max")) -> dict:
+    """``names`` with the four bounds of each clipped linear (rule ``{rule}_{bound}``, GGUF name
+    ``{name without .weight}.{bound}``; a scalar, stored with one axis) beside each weight ending
+    ``.weight`` (names of rules a tower does not have are never looked up)."""
+    out = dict(names)
+    for rule, (name, _) in names.items():
+        if name.endswith(".weight"):
+            out.update({f"{rule}_{b}": (f"{name[:-len('.weight')]}.{b}", None) for b in bounds})
+    return out
+
+
+def clip_vision_metadata(cfg: Any, vision: Any, image_size: int, processor: Mapping[str, Any]) -> list:
+    """The keys ggml's converter writes for every vision tower (``MmprojModel``): the file type's
+    place (:data:`FILE_TYPE`), the projection into the text model, the tower's sizes and the image
+    normalization of its processor config."""
+    v = vision.sizes
+    return [(FILE_TYPE, u32(0)), ("clip.has_vision_encoder", ("bool", True)),
+            ("clip.vision.projection_dim", u32(cfg.hidden_size)), ("clip.vision.image_size", u32(image_size)),
+            ("clip.vision.patch_size", u32(v["y"])), ("clip.vision.embedding_length", u32(v["w"])),
+            ("clip.vision.feed_forward_length", u32(v["f"])), ("clip.vision.block_count", u32(vision.num_layers)),
+            ("clip.vision.attention.head_count", u32(v["n"])),
+            ("clip.vision.image_mean", array(map(float, processor["image_mean"]), "float32")),
+            ("clip.vision.image_std", array(map(float, processor["image_std"]), "float32"))]
+
+
+def clip_audio_metadata(cfg: Any, audio: Any, feed_forward: int) -> list:
+    """The keys ggml's converter writes for every audio tower (``MmprojModel``)."""
+    return [("clip.has_audio_encoder", ("bool", True)), ("clip.audio.projection_dim", u32(cfg.hidden_size)),
+            ("clip.audio.embedding_length", u32(audio.sizes["w"])),
+            ("clip.audio.feed_forward_length", u32(feed_forward)), ("clip.audio.block_count", u32(audio.num_layers)),
+            ("clip.audio.attention.head_count", u32(audio.sizes["n"]))]
 
 
 def u32(v: int) -> tuple[str, int]:

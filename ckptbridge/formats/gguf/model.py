@@ -33,7 +33,7 @@ from ckptbridge.formats.gguf.tokenizer import tokenizer_metadata
 from ckptbridge.io import gguf, storage
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
-from ckptbridge.rows import HELD_PER_BYTE, ModelRows, Request, matrix_rows
+from ckptbridge.rows import HELD_PER_BYTE, ModelRows, Request, matrix_rows, tower_record, towers_line
 from ckptbridge.specs.ggml import (
     FILE_TYPE,
     PRE_TOKENIZERS,
@@ -328,6 +328,8 @@ def plan(rows: ModelRows, type_of: Callable[[str, tuple[int, ...]], gguf.TensorT
 
 @dataclasses.dataclass(frozen=True)
 class GGUFReport(Report):
+    OMIT_NONE = ("projector", "projector_tensors", "projector_bytes", "towers")
+
     direction: str
     source: str
     adapter: str | None
@@ -340,23 +342,34 @@ class GGUFReport(Report):
     bytes: int
     tokenizer: str | None
     seconds: float
+    projector: str | None = None  # the projector file of a multimodal model's towers
+    projector_tensors: int | None = None
+    projector_bytes: int | None = None
+    towers: dict | None = None
 
     def summary(self) -> str:
         merged = f" with {self.adapter} merged" if self.adapter else ""
         types = ", ".join(f"{n} {k}" for k, n in self.tensor_types.items())
         tok = f"tokenizer {self.tokenizer}" if self.tokenizer else "no tokenizer"
-        return (f"{self.direction}: {self.source}{merged} -> {self.destination}\n"
+        text = (f"{self.direction}: {self.source}{merged} -> {self.destination}\n"
                 f"  {self.family} as GGUF {self.architecture}, {self.outtype}: {self.tensors} tensors ({types}), "
                 f"{human_bytes(self.bytes)} in {self.seconds:.2f} s; {tok}")
+        if self.projector:
+            text += (f"\n  projector (mmproj): {self.projector}: {self.projector_tensors} tensors, "
+                     f"{human_bytes(self.projector_bytes or 0)}" + towers_line(self.towers).replace("\n  towers:", ";"))
+        return text
 
 
 def inexact_rules(spec, cfg, *, outtype: str = "bf16", **_) -> dict[str, str]:
     """The rows a GGUF file does not give back bit for bit: every weight under q8_0 (and under a
-    narrower float type than the source's), and norms ggml stores as 1 + w (in float32)."""
+    narrower float type than the source's), and norms ggml stores as 1 + w (in float32); the
+    towers' rows of the projector file as ``tower:rule``."""
+    from ckptbridge.formats.gguf import mmproj
+
     spec_gguf = spec.gguf.get(cfg.model_type)
     if spec_gguf is None:
         return {}
-    out = {}
+    out = {f"{tower}:{rule}": why for (tower, rule), why in mmproj.inexact_rules(spec, cfg, outtype).items()}
     if outtype == "q8_0":
         out.update({r.name: "q8_0: each value within half a step of its block" for r in spec.rules})
     if spec_gguf.norm_shift:
@@ -375,17 +388,33 @@ def outtype_of(outtype: str, rows: ModelRows) -> str:
     return outtype
 
 
+def tower_refusal(spec, cfg, names: list[str]) -> str | None:
+    """Why a GGUF projector file cannot hold the towers ``names`` (None: it can)."""
+    from ckptbridge.formats.gguf import mmproj
+
+    return mmproj.tower_refusal(spec, cfg, names)
+
+
 def write(rows: ModelRows, dst: str, req: Request, *, outtype: str = "bf16", tokenizer: bool = True,
-          name: str | None = None) -> GGUFReport:
-    """Write ``rows`` as the GGUF file ``dst``. ``outtype``: the stored type of the weights (``f32``,
-    ``f16``, ``bf16``, ``q8_0``; ``auto``: the source's). ``tokenizer``: include the tokenizer and
-    chat template found with the model (an Orbax checkpoint's stored files). ``name``:
-    ``general.name`` (default: the source directory's name)."""
-    outtype = outtype_of(outtype, rows)  # (a model's vision/audio towers are left out, as ggml's converter does)
+          name: str | None = None, mmproj: str | None = None) -> GGUFReport:
+    """Write ``rows`` as the GGUF file ``dst``, and a multimodal model's towers as ggml's projector
+    file beside it (``mmproj-`` before its name, or the path ``mmproj``), both or neither.
+    ``outtype``: the stored type of the weights (``f32``, ``f16``, ``bf16``, ``q8_0``; ``auto``: the
+    source's). ``tokenizer``: include the tokenizer and chat template found with the model (an Orbax
+    checkpoint's stored files). ``name``: ``general.name`` (default: the source directory's name)."""
+    from ckptbridge.formats.gguf import mmproj as projector
+
+    outtype = outtype_of(outtype, rows)
     wanted, file_type = OUTTYPES[outtype]
     block_bytes = min(BLOCK_BYTES, req.chunk_bytes, req.engine.budget.limit // 2)
-    p = plan(rows, lambda n, shape: stored_type(n, shape, wanted), req.engine, block_bytes)
     assets_dir = rows.asset_dir()
+    towers: list = []
+    if rows.tower_entries:  # everything a projector file needs checked before anything is made
+        towers = projector.plan(rows, wanted, req.source)
+        processor = projector.processor_config(assets_dir, req.source)
+    elif mmproj:
+        raise ConfigError(f"--mmproj {mmproj}: {req.source} has no vision or audio tower to write there")
+    p = plan(rows, lambda n, shape: stored_type(n, shape, wanted), req.engine, block_bytes)
     tok: list = []
     if tokenizer:
         if assets_dir is None or storage.is_remote(assets_dir):
@@ -401,12 +430,21 @@ def write(rows: ModelRows, dst: str, req: Request, *, outtype: str = "bf16", tok
         planned.append(gguf.PlannedTensor(t.name, t.shape, t.type,
                                           functools.partial(p.parts.take_many, t.name, p.counts[t.name])))
     model_name = name or title(os.path.basename(os.path.normpath(req.source)))
+    sampling = sampling_metadata(assets_dir)
     metadata = _metadata(p.spec_gguf, p.h, rows.cfg.num_layers, model_name, size_label(planned), file_type, tok,
-                         sampling_metadata(assets_dir))
-    total = sum(t.nbytes for t in planned)
+                         sampling)
+    files = [(dst, metadata, planned)]
+    if towers:  # made after the text model's tensors, on the same engine
+        parts = Parts(req.engine.stream(projector.jobs(rows, towers)))
+        tower_planned = [gguf.PlannedTensor(t.name, t.shape, t.type, functools.partial(parts.take, t.name))
+                         for t in towers]
+        files.append((projector.projector_path(dst, mmproj),
+                      projector.metadata(rows, model_name, size_label(tower_planned), file_type, processor, sampling),
+                      tower_planned))
+    total = sum(t.nbytes for _, _, ts in files for t in ts)
     bar = Progress(total, req.desc, enabled=req.progress)
-    size = gguf.write_gguf(dst, metadata, planned, overwrite=req.overwrite, sources=[req.source, *req.adapters],
-                           on_written=bar.update)
+    sizes = gguf.write_gguf_files(files, overwrite=req.overwrite, sources=[req.source, *req.adapters],
+                                  on_written=bar.update)
     bar.close()
     types: dict[str, int] = {}
     for p_t in planned:
@@ -414,8 +452,11 @@ def write(rows: ModelRows, dst: str, req: Request, *, outtype: str = "bf16", tok
     tok_model = next((v.value for k, v in tok if k == "tokenizer.ggml.model"), None)
     return GGUFReport(direction=req.direction, source=req.source, adapter=", ".join(req.adapters) or None,
                       destination=dst, family=rows.cfg.family, architecture=p.spec_gguf.arch, outtype=outtype,
-                      tensors=len(planned), tensor_types=types, bytes=size, tokenizer=tok_model,
-                      seconds=round(time.perf_counter() - req.t0, 3))
+                      tensors=len(planned), tensor_types=types, bytes=sizes[0], tokenizer=tok_model,
+                      seconds=round(time.perf_counter() - req.t0, 3),
+                      projector=files[1][0] if towers else None, projector_tensors=len(towers) or None,
+                      projector_bytes=sizes[1] if towers else None,
+                      towers=tower_record(rows.tower_entries, rows.key_info) or None)
 
 
-__all__ = ["GGUFReport", "OUTTYPES", "Planned", "family", "plan", "stored_type", "store", "write"]
+__all__ = ["GGUFReport", "OUTTYPES", "Planned", "family", "plan", "stored_type", "store", "tower_refusal", "write"]

@@ -8,7 +8,9 @@ one tensor split again. Q8_0 is dequantized to float32 as gguf-py's ``gguf.quant
 computes it (``d * q``); another dtype on request (``dtype``, rounded to nearest even).
 
 A GGUF file does not carry the HF config, so the model's ``config.json`` is given (``--config``:
-the file or its directory; non-weight files beside it go with the model). The HF dtype is the
+the file or its directory; non-weight files beside it go with the model). A multimodal model's
+towers are read from ggml's projector file beside it (``mmproj-`` before its name, or
+``--mmproj``), their value changes undone (:mod:`ckptbridge.formats.gguf.mmproj`). The HF dtype is the
 weights' stored type (F32, F16, BF16; float32 for Q8_0) unless ``dtype`` says otherwise: norms,
 which ggml stores in float32 whatever the weights, come back in it.
 """
@@ -23,7 +25,7 @@ from collections import Counter
 import numpy as np
 
 from ckptbridge import mapping
-from ckptbridge.errors import ConfigError, CorruptFileError, MismatchError, UnsupportedError
+from ckptbridge.errors import ConfigError, CorruptFileError, InputNotFoundError, MismatchError, UnsupportedError
 from ckptbridge.formats.gguf.model import NAME, _plan, _Tensor, family
 from ckptbridge.io import gguf
 from ckptbridge.io.safetensors import numpy_dtype
@@ -54,20 +56,38 @@ class GGUFSource(ModelRows):
     row_addressable = True
 
     def __init__(self, file: gguf.GGUFFile, cfg, spec, prefix: str, entries: list[mapping.Entry],
-                 tensors: list[_Tensor], dtype: np.dtype, config_dir: str | None):
+                 tensors: list[_Tensor], dtype: np.dtype, config_dir: str | None,
+                 projector: tuple[gguf.GGUFFile, list, dict] | None = None):
         self.file, self.cfg, self.spec, self.prefix, self.entries = file, cfg, spec, prefix, entries
         self.path = file.path
         self._dtype = dtype
         self.config_dir = config_dir
         self._of_key = {k: (t, i) for t in tensors for i, k in enumerate(t.keys)}
         self._whole = threading.local()
+        self.projector_file: gguf.GGUFFile | None = projector[0] if projector is not None else None
+        proj = projector[1] if projector is not None else []
+        self.tower_spelling = projector[2] if projector is not None else {}
+        self._proj = {t.key: t for t in proj}
+        self.tower_entries = [t.entry for t in proj]
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
         return self._dtype
 
     def key_info(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
+        if key in self._proj:
+            return self._dtype, self._proj[key].entry.hf_shape
         t, _ = self._of_key[key]
         return self._dtype, t.hf_shape
+
+    def _tower(self, key: str) -> np.ndarray:
+        from ckptbridge.formats.gguf.mmproj import from_gguf
+
+        t = self._proj[key]
+        assert self.projector_file is not None
+        stored = self.projector_file.array(t.name)
+        if self.projector_file.tensors[t.name].type is gguf.TensorType.Q8_0:
+            stored = gguf.dequantize_q8_0(stored, t.shape)
+        return from_gguf(t, np.array(stored), self._dtype)
 
     def _values(self, t: _Tensor, index: int, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` (of the HF tensor as a matrix) of the ``index``-th HF tensor of ``t``,
@@ -94,10 +114,15 @@ class GGUFSource(ModelRows):
         return x.astype(self._dtype, copy=False)
 
     def key_rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        if key in self._proj:
+            whole = self._tower(key)
+            return whole.reshape(-1, whole.shape[-1] if whole.ndim else 1)[start:stop]
         t, i = self._of_key[key]
         return self._hf(t, i, start, min(stop, matrix_rows(t.hf_shape)))
 
     def arrays(self, entry: mapping.Entry) -> list[np.ndarray]:
+        if entry.tower is not None:
+            return [self._tower(entry.hf_keys[0])]
         out = []
         for key in entry.hf_keys:
             t, i = self._of_key[key]
@@ -126,6 +151,10 @@ class GGUFSource(ModelRows):
         from ckptbridge.rows import HFPlan, HFTensor
 
         tensors, jobs = [], []
+        for e in self.tower_entries:  # (ggml's converter reads the projector's tensors first too)
+            key = e.hf_keys[0]
+            tensors.append(HFTensor(key, self._dtype, e.hf_shape))
+            jobs.append((4 * max(1, math.prod(e.hf_shape)), functools.partial(self._tower_part, key)))
         for e in self.entries:
             for key in e.hf_keys:
                 n, cols = matrix_rows(e.hf_shape), e.hf_shape[-1]
@@ -136,15 +165,21 @@ class GGUFSource(ModelRows):
                          for s in starts]
         return HFPlan(tensors, jobs)
 
+    def _tower_part(self, key: str):
+        return [(key, 0, self._tower(key))]
+
     def _part(self, key: str, start: int, stop: int):
         rows = self.key_rows(key, start, stop)
         shape = self._of_key[key][0].hf_shape
         return [(key, start, rows.reshape(shape) if start == 0 and stop >= matrix_rows(shape) else rows)]
 
 
-def open_source(src: str, *, config: str | None = None, dtype: str | None = None, **_) -> GGUFSource:
+def open_source(src: str, *, config: str | None = None, dtype: str | None = None, mmproj: str | None = None,
+                **_) -> GGUFSource:
     """Open the GGUF model file ``src`` with the model's HF ``config`` (config.json or its
-    directory) and check every tensor it must hold (names, shapes, types) before any is read."""
+    directory) and check every tensor it must hold (names, shapes, types) before any is read; a
+    multimodal model's towers from its projector file (``mmproj``, default: beside ``src`` under
+    ggml's name, where there is one)."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype (--dtype) {dtype!r}: one of {', '.join(DTYPES)}")
     file = gguf.read_gguf(src)
@@ -190,7 +225,56 @@ def open_source(src: str, *, config: str | None = None, dtype: str | None = None
         raise CorruptFileError(f"{src}: holds no weight matrix")
     stored = _STORED_DTYPE[types.most_common(1)[0][0]]
     return GGUFSource(file, cfg, spec, prefix, ents, tensors, numpy_dtype(DTYPES.get(dtype or "", stored)),
-                      config_dir)
+                      config_dir, _projector(src, mmproj, cfg, spec, prefix, where, config_dir))
+
+
+def _projector(src: str, path: str | None, cfg, spec, prefix: str, where: str, config_dir: str):
+    """The projector file of ``src``'s towers checked against the tower rows ``cfg`` configures
+    (names, shapes, types): ``path``, or ggml's name beside ``src`` where that exists; None for a
+    text model or where there is none (the text model alone is read)."""
+    import logging
+    import os
+
+    from ckptbridge.formats.gguf import mmproj
+
+    found = path or mmproj.projector_path(src)
+    if not cfg.towers or prefix not in spec.tower_roots:
+        if path:
+            raise ConfigError(f"--mmproj {path}: the model {where} describes has no vision or audio tower")
+        return None
+    if not os.path.isfile(found):
+        if path:
+            raise InputNotFoundError(f"--mmproj {path}: no such file")
+        logging.getLogger(__name__).warning("%s: no projector file %s beside it: the %s towers are not read", src,
+                                            found, " and ".join(cfg.towers))
+        return None
+    file = gguf.read_gguf(found)
+    if file.metadata.get("general.architecture") != mmproj.ARCH:
+        raise MismatchError(f"{found}: general.architecture is {file.metadata.get('general.architecture')!r}, not "
+                            f"{mmproj.ARCH!r}: not a projector file (give the projector with --mmproj)")
+    from ckptbridge.formats.hf import spelling_beside
+
+    spelling = spelling_beside(config_dir, spec, prefix)
+    tensors = mmproj.plan_entries(spec, cfg, mapping.tower_entries(cfg, spec, prefix, spelling=spelling),
+                                  gguf.TensorType.F32, where)
+    expected = {t.name: t for t in tensors}
+    missing = [n for n in expected if n not in file.tensors]
+    if missing:
+        raise MismatchError(f"{found}: tensor {missing[0]!r} is missing{more(missing)}; the projector file does not "
+                            f"hold the towers {where} describes")
+    unexpected = sorted(n for n in file.tensors if n not in expected)
+    if unexpected:
+        raise MismatchError(f"{found}: unexpected tensor {unexpected[0]!r}{more(unexpected)}: not part of the "
+                            f"towers {where} describes")
+    for name, t in expected.items():
+        info = file.tensors[name]
+        if tuple(info.shape) != tuple(t.shape):
+            raise MismatchError(f"{found}: tensor {name!r} has shape {list(info.shape)}, the config implies "
+                                f"{list(t.shape)}; the file and the config disagree")
+        if not isinstance(info.type, gguf.TensorType):
+            raise UnsupportedError(f"{found}: tensor {name!r} is of ggml type {info.type}; ckptbridge reads F32, "
+                                   "F16, BF16 and Q8_0")
+    return file, tensors, spelling
 
 
 __all__ = ["DTYPES", "GGUFSource", "detect", "open_source"]

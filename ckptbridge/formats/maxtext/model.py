@@ -404,7 +404,13 @@ def _validate(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> MaxTextSour
     prefix = prefix if prefix in spec.key_prefixes else cfg.default_key_prefix
     check_scan_metadata(ckpt, tree)
     record = meta.towers if config is None and isinstance(meta.towers, dict) else {}
-    spelling = record.get("spelling") if isinstance(record.get("spelling"), dict) else {}
+    found = record.get("spelling")
+    if isinstance(found, dict):
+        spelling = found
+    else:  # a MaxText checkpoint with --config: the spelling of the model beside the config, if any
+        from ckptbridge.formats.hf import spelling_beside
+
+        spelling = spelling_beside(config_dir, spec, prefix)
     ents, leaves, towers = model_plan(tree, cfg, spec, prefix, where, spelling)
     params = tree.params
     expected = {leaf.path: leaf for leaf in leaves}
