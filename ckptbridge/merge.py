@@ -144,6 +144,7 @@ class Merged(ModelRows):
         self.format, self.path = inner.format, inner.path
         self.cfg, self.spec, self.prefix, self.entries = inner.cfg, inner.spec, inner.prefix, inner.entries
         self.towers_dropped, self.scan_layers = inner.towers_dropped, inner.scan_layers
+        self.tower_entries, self.tower_spelling = inner.tower_entries, inner.tower_spelling  # (passed through)
         self.row_addressable = inner.row_addressable
         self.merged_keys = list(deltas)
 

@@ -120,7 +120,7 @@ _GEMMA4_E2B = Case(
 # tokens, no clipped linears, head_dim = hidden / heads: the form MaxText's model holds too)
 _GEMMA4_MM = Case(dict(family="gemma4", model_type="gemma4", attention_k_eq_v=True,
                        vision=dict(use_clipped_linears=False, head_dim=16)),
-                  "model.language_model.", WEIGHTS | {"logits", "inspect", "bad_inputs"}, multimodal=True)
+                  "model.language_model.", WEIGHTS | {"logits", "lora", "inspect", "bad_inputs"}, multimodal=True)
 # Gemma 4 E2B-shaped with its vision and audio towers (clipped linears), as the E2B/E4B release
 _GEMMA4_E2B_MM = dataclasses.replace(_GEMMA4_E2B, build={**_GEMMA4_E2B.build, "vision": True, "audio": True},
                                      checks=WEIGHTS | {"inspect", "bad_inputs"}, multimodal=True)

@@ -155,3 +155,79 @@ def test_gemma3_tunix_sees_as_transformers(g3, precise):
     got = np.asarray(got)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 5e-5
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def _eyes_and_ears(model_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """A Gemma 4's image features (a 4 x 4 grid of patches) and audio features (32 frames), as
+    transformers computes them from the files in ``model_dir`` (float32)."""
+    import torch
+    import transformers
+
+    m = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vc, ac = m.config.vision_config, m.config.audio_config
+    g = torch.Generator().manual_seed(4)
+    positions = torch.tensor([[(x, y) for y in range(4) for x in range(4)]])
+    pixels = torch.randn(1, 16, 3 * vc.patch_size ** 2, generator=g)
+    frames = torch.randn(1, 32, ac.subsampling_conv_channels[0], generator=g)
+    with torch.no_grad():
+        image = m.get_image_features(pixels, positions).pooler_output.numpy()
+        audio = m.model.get_audio_features(frames, torch.ones(1, 32, dtype=torch.bool)).pooler_output.numpy()
+    return image, audio
+
+
+@pytest.mark.slow
+def test_training_on_a_multimodal_base_keeps_its_towers(checkpoints, tmp_path):
+    """A text LoRA trained (the tiny preset) on a Gemma 4 E2B-shaped base with vision and audio
+    towers, merged into Tunix's checkpoint of the base (its towers under towers/) and exported: a
+    Gemma4ForConditionalGeneration whose image and audio features are the base's, bit for bit,
+    and whose text model is the base's plus the adapter."""
+    import json
+    import subprocess
+    import sys
+
+    from training.cli import SAMPLE_DATA
+
+    from ckptbridge.formats.hf import open_hf_source
+
+    base = checkpoints["gemma4_e2b_mm"]
+    tunix, run, merged = str(tmp_path / "tunix"), str(tmp_path / "run"), str(tmp_path / "merged")
+    convert(base, tunix, to="tunix", progress=False)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--quiet", "--base", base,
+                           "--data", SAMPLE_DATA, "--out", run, "--max-steps", "2", "max_length=256", "grad_accum=1",
+                           "learning_rate=5e-2"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["steps"] == 2
+    r = convert(tunix, merged, to="hf", adapter=os.path.join(run, "checkpoints"), progress=False)
+    assert r.merged_tensors > 0
+    cmp = compare_tensors(base, merged)
+    with open_hf_source(base, keep_towers=True) as source:
+        towers = {k for e in source.tower_entries for k in e.hf_keys}
+        text = {k for e in source.entries for k in e.hf_keys}
+    assert cmp.only_in_a == [] and cmp.only_in_b == [] and cmp.differing and set(cmp.differing) <= text
+    assert not towers & set(cmp.differing) and len(towers) == 219
+    readme = open(os.path.join(merged, "README.md")).read()
+    assert "image-text-to-text" in readme and "vision (87 tensors), audio (132 tensors)" in readme
+    for got, want in zip(_eyes_and_ears(merged), _eyes_and_ears(base)):
+        assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_adapter_verbs_on_a_multimodal_base(adapters, tmp_path):
+    """A PEFT adapter (made by PEFT) on the text modules of a Gemma 4 with its vision tower: verify
+    adapter passes all three checks, and combine (``cat``) gives the sum of its deltas with itself
+    (the conversions both ways and the merge are the contract's ``lora`` check on the same row)."""
+    from ckptbridge.adapter import combine
+    from ckptbridge.adapter_check import verify_adapter
+
+    a = adapters["gemma4_mm"]
+    report = verify_adapter(a.peft, a.base)
+    assert report.ok and report.live is not None and report.exact is not None, report.summary()
+    assert report.exact["rel_l2"] <= 1e-5, report.summary()
+    doubled = str(tmp_path / "doubled")
+    combine([a.peft, a.peft], doubled, method="cat", base=a.base, progress=False)
+    from test_matrix import _deltas
+
+    want, got = _deltas(a.peft, a.base), _deltas(doubled, a.base)
+    assert set(got) == set(want) and all(k.startswith("model.language_model.") for k in got)
+    for key in want:
+        np.testing.assert_allclose(got[key], 2 * want[key], rtol=1e-5, atol=1e-7)
