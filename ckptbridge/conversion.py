@@ -98,8 +98,9 @@ def check_towers(rows, dest: Format, dst: str) -> None:
     if why:
         from ckptbridge.errors import UnsupportedError
 
-        raise UnsupportedError(f"{dst}: {why} of {rows.path}; pass --skip-multimodal to write the text model without "
-                               "its towers")
+        held = " and ".join(dict.fromkeys(e.tower or "" for e in rows.tower_entries))
+        raise UnsupportedError(f"{dst}: {why} ({rows.path} has {held} towers); pass --skip-multimodal to write the "
+                               "text model without them")
 
 
 def open_adapter(src: str, base, *, step: int | None = None, alpha: float | None = None, fmt: Format | None = None):

@@ -231,3 +231,30 @@ def test_adapter_verbs_on_a_multimodal_base(adapters, tmp_path):
     assert set(got) == set(want) and all(k.startswith("model.language_model.") for k in got)
     for key in want:
         np.testing.assert_allclose(got[key], 2 * want[key], rtol=1e-5, atol=1e-7)
+
+
+def test_towers_a_format_cannot_hold_are_refused_in_one_line(checkpoints, tmp_path):
+    """A tower a destination has no place for (MaxText's E2B-shaped Gemma 4 has none), a projector
+    file without the image normalization it records (no processor config), a projector file that
+    is not one: each one line, its exit code, nothing written; with --skip-multimodal the text
+    model converts."""
+    from conftest import run_cli, tree_hash
+    from test_errors import check_failure
+
+    e2b = checkpoints["gemma4_e2b_mm"]
+    before, dst = tree_hash(e2b), str(tmp_path / "mt")
+    check_failure(run_cli("convert", e2b, dst, "--to", "maxtext"), 5, "MaxText's gemma4 has no audio tower",
+                  "has vision and audio towers", "--skip-multimodal", src=e2b, before=before, dst=dst)
+    proc = run_cli("convert", e2b, dst, "--to", "maxtext", "--skip-multimodal", "--quiet")
+    assert proc.returncode == 0 and "\n  towers:" not in proc.stdout, proc.stderr
+    assert "dropped 219 vision/audio tensors (--skip-multimodal)" in proc.stdout
+    bare = str(tmp_path / "bare")
+    shutil.copytree(checkpoints[G3], bare, ignore=shutil.ignore_patterns("processor_config.json"))
+    out = str(tmp_path / "m.gguf")
+    check_failure(run_cli("convert", bare, out), 8, "image_mean", "processor config", dst=out)
+    assert not os.path.exists(tmp_path / "mmproj-m.gguf")
+    text = str(tmp_path / "text.gguf")
+    assert run_cli("convert", checkpoints[G3], text, "--skip-multimodal", "--quiet").returncode == 0
+    assert not os.path.exists(tmp_path / "mmproj-text.gguf")
+    check_failure(run_cli("convert", text, str(tmp_path / "back"), "--to", "hf", "--config", checkpoints[G3],
+                          "--mmproj", text), 6, "not a projector file", dst=str(tmp_path / "back"))

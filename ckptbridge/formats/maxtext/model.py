@@ -587,6 +587,7 @@ class ToMaxTextReport(ConversionReport):
     seconds: float
     adapters: list[str] | None = None  # merged on the way
     towers: dict | None = None  # the towers written (tensors, bytes by tower)
+    towers_dropped: int = 0  # vision/audio tensors left out (--skip-multimodal)
 
     def summary(self) -> str:
         lay = "scanned (layers stacked on axis 1)" if self.scan_layers else "unscanned (decoder/layers_{i})"
@@ -597,6 +598,8 @@ class ToMaxTextReport(ConversionReport):
                 f"{rule} ({how})" for rule, how in self.transformed.items())
         if self.adapters:
             text += f"\n  merged: {', '.join(self.adapters)}"
+        if self.towers_dropped:
+            text += f"\n  dropped {self.towers_dropped} vision/audio tensors (--skip-multimodal)"
         return text
 
 
@@ -635,7 +638,7 @@ def write(rows: ModelRows, dst: str, req: Request, *, scan_layers: bool = False,
     return ToMaxTextReport(
         direction=req.direction, source=req.source, destination=dst, family=rows.spec.name, key_prefix=rows.prefix,
         layer_kinds=rows.cfg.layer_kinds(), tensors=len(flat), bytes=total, scan_layers=scan_layers,
-        towers=tower_record(rows.tower_entries, rows.key_info) or None,
+        towers=tower_record(rows.tower_entries, rows.key_info) or None, towers_dropped=rows.towers_dropped,
         chunk_bytes=req.chunk_bytes, transformed=transformed, seconds=round(time.perf_counter() - req.t0, 3),
         adapters=list(req.adapters) or None)
 
