@@ -163,7 +163,8 @@ def build_checkpoint(
 def write_random_checkpoint(out_dir: str, *, family: str = DEFAULT_FAMILY, dtype: str = "bfloat16",
                             prefix: str | None = "model.", max_shard_size: int = 5 * 10**9, seed: int = 0,
                             pool: int | None = None, **overrides: Any) -> str:
-    """Write an HF checkpoint of any size straight from the spec table, without torch.
+    """Write an HF checkpoint of any size straight from the spec table (and a multimodal config's
+    towers from theirs), without torch.
 
     Tensors are generated and written one at a time (memory stays at one tensor), so this can
     produce checkpoints of real width for benchmarks. ``overrides`` are text-config fields. With
@@ -183,7 +184,8 @@ def write_random_checkpoint(out_dir: str, *, family: str = DEFAULT_FAMILY, dtype
     values = None
     if pool:
         values = (np.random.default_rng(seed).standard_normal(2 * pool, dtype=np.float32) * 0.02).astype(np_dtype)
-    for i, e in enumerate(mapping.entries(cfg, spec, cfg.default_key_prefix)):
+    ents = mapping.entries(cfg, spec, cfg.default_key_prefix) + mapping.tower_entries(cfg, spec, cfg.default_key_prefix)
+    for i, e in enumerate(ents):  # (a multimodal config's towers too)
         for j, key in enumerate(e.hf_keys):
             def produce(shape=e.hf_shape, s=seed * 100_003 + i * 7 + j):
                 if values is not None:
