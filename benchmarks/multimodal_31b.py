@@ -29,11 +29,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gguf_31b import _run as measure_process  # noqa: E402
 from merge_31b import GEMMA4_31B, dir_bytes  # noqa: E402
 from results_file import append_run  # noqa: E402
 
@@ -65,17 +65,10 @@ def generate(base: str, layers: int) -> None:
 
 
 def run(argv: list[str]) -> dict:
-    """A command in a fresh process after ``sync``: wall time, peak RSS (MB) and CPU seconds."""
-    subprocess.run(["sync"], check=True)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-        if os.waitstatus_to_exitcode(status) != 0:
-            err.seek(0)
-            raise SystemExit(f"{' '.join(argv[:6])} failed:\n{err.read()[-3000:]}")
-    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime}
+    """A command in a fresh process after ``sync`` (gguf_31b's measure): wall time, peak RSS (MB)
+    and CPU seconds."""
+    r = measure_process(argv)
+    return {"wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "cpu_s": r["user_s"] + r["sys_s"]}
 
 
 def clear(path: str) -> None:

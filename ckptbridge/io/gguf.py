@@ -258,6 +258,29 @@ def _write_tensor(f: BinaryIO, t: PlannedTensor, alignment: int) -> None:
     f.write(b"\0" * _padding(t.nbytes, alignment))
 
 
+GGML_QUANT_VERSION = 2  # general.quantization_version as ggml's converter writes it
+
+
+def store(values: np.ndarray, t: TensorType) -> np.ndarray:
+    """``values`` in the stored form of ``t`` (float16 and bfloat16 rounded to nearest even from
+    float32, as gguf-py's quantizer does; Q8_0 as ggml's reference)."""
+    if t is TensorType.Q8_0:
+        return quantize_q8_0(values)
+    want = t.storage(values.shape)[0]
+    if values.dtype == want:
+        return values
+    return values.astype(np.float32).astype(want)
+
+
+def spec_value(value: tuple[str, Any]) -> Value:
+    """A metadata value as a family's spec writes it (plain data: ``(type name, value)``) as GGUF stores it."""
+    kind, v = value
+    if kind == "array":
+        item, items = v
+        return array(items, ValueType[item.upper()])
+    return Value(ValueType[kind.upper()], v)
+
+
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """``x`` (any float dtype; innermost dimension a multiple of 32) as Q8_0 blocks, bit for bit
     what ggml's reference quantizer (and gguf-py's) writes: per block of 32 values, d = max|x| /

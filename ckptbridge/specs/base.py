@@ -201,6 +201,23 @@ class TunixModel:
     layers: str = "layers"
 
 
+def _named_rules(rules: tuple[TensorRule, ...], owner: str, axes: tuple[str, ...]):
+    """Each rule of a table with the name it is called by in errors, once its name is checked
+    unique and its layouts checked against the table's axes (a programming error, at import)."""
+    known_axes = set(axes) | set(COMMON_AXES)
+    names = set()
+    for r in rules:
+        where = f"{owner}, rule {r.name}"
+        if r.name in names:
+            raise ValueError(f"{where}: two rules with this name")
+        names.add(r.name)
+        for lay in (r.hf_layout, r.tunix_layout):
+            unknown = set(layout.axes(lay)) - known_axes
+            if unknown:
+                raise ValueError(f"{where}: layout {lay!r} uses undeclared axes {sorted(unknown)}")
+        yield r, where
+
+
 @dataclasses.dataclass(frozen=True)
 class TowerConfig:
     """A tower's sub-config as its rules read it: its layer count, axis sizes and flags."""
@@ -248,21 +265,11 @@ class Tower:
     aliases: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        known_axes = set(self.axes) | set(COMMON_AXES)
-        names = set()
-        for r in self.rules:
-            where = f"tower {self.name}, rule {r.name}"
-            if r.name in names:
-                raise ValueError(f"{where}: two rules with this name")
-            names.add(r.name)
+        for r, where in _named_rules(self.rules, f"tower {self.name}", self.axes):
             if r.scope not in ("model", "layer") or r.fused or r.stack or r.lora or r.absolute or r.hf_absent:
                 raise ValueError(f"{where}: a tower row is one HF tensor of the tower or of its layers, no LoRA")
             if r.when is not None and r.when not in self.flags:
                 raise ValueError(f"{where}: when={r.when!r} is not one of the tower's flags {self.flags}")
-            for lay in (r.hf_layout, r.tunix_layout):
-                unknown = set(layout.axes(lay)) - known_axes
-                if unknown:
-                    raise ValueError(f"{where}: layout {lay!r} uses undeclared axes {sorted(unknown)}")
 
 
 # the subtree of a Tunix checkpoint that keeps a tower Tunix's model does not hold (as HF stores it)
@@ -328,13 +335,7 @@ class FamilySpec:
 
     def __post_init__(self) -> None:
         """Check the table against the family's own vocabulary (a programming error, at import)."""
-        known_axes = set(self.axes) | set(COMMON_AXES)
-        names = set()
-        for r in self.rules:
-            where = f"family {self.name}, rule {r.name}"
-            if r.name in names:
-                raise ValueError(f"{where}: two rules with this name")
-            names.add(r.name)
+        for r, where in _named_rules(self.rules, f"family {self.name}", self.axes):
             if r.scope not in ("model", "layer"):
                 raise ValueError(f"{where}: scope {r.scope!r} is not 'model' or 'layer'")
             flags = self.layer_flags + self.model_flags if r.scope == "layer" else self.model_flags
@@ -344,10 +345,6 @@ class FamilySpec:
                 raise ValueError(f"{where}: hf_absent={r.hf_absent!r} must be a layer flag of a layer row")
             if r.absolute and r.scope != "model":
                 raise ValueError(f"{where}: only model tensors can have absolute keys")
-            for lay in (r.hf_layout, r.tunix_layout):
-                unknown = set(layout.axes(lay)) - known_axes
-                if unknown:
-                    raise ValueError(f"{where}: layout {lay!r} uses undeclared axes {sorted(unknown)}")
             for after, lay in r.tunix_layouts_after:
                 tunix_version_key(after)
                 if sorted(layout.axes(lay)) != sorted(layout.axes(r.tunix_layout)) or r.lora or r.stack_axis:

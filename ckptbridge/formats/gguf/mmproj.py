@@ -9,11 +9,10 @@ normalization from the model's processor config (``preprocessor_config.json`` /
 the towers to ``mmproj-model.gguf`` beside it (or where ``--mmproj`` says); reading ``model.gguf``
 reads that file back with it.
 
-Two value changes are not exact both ways: a norm stored as ``1 + w`` (Gemma 3's projector norm,
-like the text model's norms) and the audio tower's ``per_dim_scale``, stored through softplus
-(``log(1 + e^x)``: computed as ggml's converter computes it, with torch, where torch is installed,
-else in float64 and rounded, which can differ from torch's float32 result in the last bit; read
-back as ``log(e^y - 1)``).
+Two value changes are not exact both ways: a norm stored as ``1 + w`` (a projector's norm, as a
+family's text norms may be) and a scale stored through softplus (``log(1 + e^x)``: computed as
+ggml's converter computes it, with torch, where torch is installed, else in float64 and rounded,
+which can differ from torch's float32 result in the last bit; read back as ``log(e^y - 1)``).
 """
 
 from __future__ import annotations
@@ -159,9 +158,7 @@ def to_gguf(t: ProjTensor, values: np.ndarray) -> np.ndarray:
         values = CHANGES[t.change][0](values.astype(_work(values.dtype)))
     if t.gguf_layout:
         values = layout.rearrange(values, t.entry.rule.hf_layout, t.gguf_layout, t.entry.sizes)
-    from ckptbridge.formats.gguf.model import store
-
-    return store(np.ascontiguousarray(values).reshape(t.shape), t.type)
+    return gguf.store(np.ascontiguousarray(values).reshape(t.shape), t.type)
 
 
 def from_gguf(t: ProjTensor, stored: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -213,8 +210,6 @@ def jobs(rows: ModelRows, tensors: list[ProjTensor]):
 def metadata(rows: ModelRows, name: str, size: str, file_type: int, processor: dict,
              sampling: dict[str, gguf.Value]) -> dict[str, gguf.Value]:
     """The projector file's metadata in ggml's order: the general keys, the family's ``clip.*``."""
-    from ckptbridge.formats.gguf.model import GGML_QUANT_VERSION, _value
-
     projector = projector_of(rows.spec, rows.cfg)
     assert projector is not None
     out: dict[str, gguf.Value] = {"general.architecture": gguf.string(ARCH), "general.type": gguf.string("mmproj"),
@@ -222,8 +217,8 @@ def metadata(rows: ModelRows, name: str, size: str, file_type: int, processor: d
                                   "general.size_label": gguf.string(size)}
     towers = rows.spec.tower_configs(rows.cfg)
     for key, value in projector.metadata(rows.cfg, towers, processor):
-        out[key] = gguf.u32(file_type) if key == FILE_TYPE else _value(value)
-    out["general.quantization_version"] = gguf.u32(GGML_QUANT_VERSION)
+        out[key] = gguf.u32(file_type) if key == FILE_TYPE else gguf.spec_value(value)
+    out["general.quantization_version"] = gguf.u32(gguf.GGML_QUANT_VERSION)
     return out
 
 

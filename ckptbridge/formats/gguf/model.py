@@ -23,7 +23,6 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from ckptbridge import mapping, specs
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.formats.gguf.tokenizer import tokenizer_metadata
 from ckptbridge.io import gguf, storage
+from ckptbridge.io.gguf import GGML_QUANT_VERSION, spec_value, store
 from ckptbridge.progress import Progress
 from ckptbridge.report import Report, human_bytes
 from ckptbridge.rows import HELD_PER_BYTE, ModelRows, Request, matrix_rows, tower_record, towers_line
@@ -50,7 +50,6 @@ OUTTYPES = {  # --outtype -> (stored type of the weights, general.file_type as g
     "bf16": (gguf.TensorType.BF16, 32), "q8_0": (gguf.TensorType.Q8_0, 7),
 }
 BLOCK_BYTES = 32 << 20  # float32 bytes of one block of rows (at most half the memory budget)
-GGML_QUANT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,16 +81,6 @@ def stored_type(name: str, shape: tuple[int, ...], wanted: gguf.TensorType) -> g
         return gguf.TensorType.F16
     return wanted
 
-
-def store(values: np.ndarray, t: gguf.TensorType) -> np.ndarray:
-    """``values`` in the stored form of ``t`` (float16 and bfloat16 rounded to nearest even from
-    float32, as gguf-py's quantizer does; Q8_0 as ggml's reference)."""
-    if t is gguf.TensorType.Q8_0:
-        return gguf.quantize_q8_0(values)
-    want = t.storage(values.shape)[0]
-    if values.dtype == want:
-        return values
-    return values.astype(np.float32).astype(want)
 
 
 def _plan(cfg, spec_gguf: GGUFSpec, ents: list[mapping.Entry], type_of: Callable, h: dict) -> list[_Tensor]:
@@ -211,7 +200,7 @@ def _metadata(spec_gguf: GGUFSpec, h: dict, block_count: int, name: str, size: s
                                   **sampling, "general.name": gguf.string(name),
                                   "general.size_label": gguf.string(size)}
     for key, value in spec_gguf.metadata(h, block_count):
-        out[key.replace("{arch}", arch)] = gguf.u32(file_type) if key == FILE_TYPE else _value(value)
+        out[key.replace("{arch}", arch)] = gguf.u32(file_type) if key == FILE_TYPE else spec_value(value)
     out["general.quantization_version"] = gguf.u32(GGML_QUANT_VERSION)
     for key, value in tokenizer:
         out[key] = value
@@ -236,15 +225,6 @@ def _family(cfg, where: str) -> tuple[GGUFSpec, dict]:
 def family(cfg, where: str) -> tuple[GGUFSpec, dict]:
     """The family's GGUF form of the model of ``cfg`` and the HF config as ggml's converter reads it."""
     return _family(cfg, where)
-
-
-def _value(value: tuple[str, Any]) -> gguf.Value:
-    """A metadata value of a family's spec (plain data: ``(type name, value)``) as GGUF stores it."""
-    kind, v = value
-    if kind == "array":
-        item, items = v
-        return gguf.array(items, gguf.ValueType[item.upper()])
-    return gguf.Value(gguf.ValueType[kind.upper()], v)
 
 
 @dataclasses.dataclass

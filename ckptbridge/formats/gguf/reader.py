@@ -21,6 +21,7 @@ import functools
 import math
 import threading
 from collections import Counter
+from collections.abc import Collection
 
 import numpy as np
 
@@ -202,23 +203,10 @@ def open_source(src: str, *, config: str | None = None, dtype: str | None = None
     tensors = _plan(cfg, spec_gguf, ents, lambda n, s: gguf.TensorType.F32, h)
     expected = {t.name: t for t in tensors}
     extra_names = {n for n, _ in (spec_gguf.extra(h) if spec_gguf.extra else [])}
-    missing = [n for n in expected if n not in file.tensors]
-    if missing:
-        raise MismatchError(f"{src}: tensor {missing[0]!r} is missing{more(missing)}; the file does not hold the "
-                            f"model {where} describes (wrong --config, or an incomplete file)")
-    unexpected = sorted(n for n in file.tensors if n not in expected and n not in extra_names)
-    if unexpected:
-        raise MismatchError(f"{src}: unexpected tensor {unexpected[0]!r}{more(unexpected)}: not part of the "
-                            f"{spec.name} model that {where} describes")
+    _check_tensors(src, file, {n: t.shape for n, t in expected.items()}, f"{spec.name} model", where, extra_names)
     types: Counter = Counter()
     for name, t in expected.items():
         info = file.tensors[name]
-        if tuple(info.shape) != tuple(t.shape):
-            raise MismatchError(f"{src}: tensor {name!r} has shape {list(info.shape)}, the config implies "
-                                f"{list(t.shape)}; the file and the config disagree")
-        if not isinstance(info.type, gguf.TensorType):
-            raise UnsupportedError(f"{src}: tensor {name!r} is of ggml type {info.type}; ckptbridge reads F32, F16, "
-                                   "BF16 and Q8_0 (re-export the model with one of them)")
         if len(t.shape) >= 2 and not name.endswith("_norm.weight"):
             types[info.type] += 1
     if not types:
@@ -257,24 +245,30 @@ def _projector(src: str, path: str | None, cfg, spec, prefix: str, where: str, c
     spelling = spelling_beside(config_dir, spec, prefix)
     tensors = mmproj.plan_entries(spec, cfg, mapping.tower_entries(cfg, spec, prefix, spelling=spelling),
                                   gguf.TensorType.F32, where)
-    expected = {t.name: t for t in tensors}
+    _check_tensors(found, file, {t.name: t.shape for t in tensors}, "towers", where)
+    return file, tensors, spelling
+
+
+def _check_tensors(path: str, file: gguf.GGUFFile, expected: dict[str, tuple[int, ...]], what: str, where: str,
+                   extra: Collection[str] = ()) -> None:
+    """Every tensor ``expected`` (name -> shape) in the GGUF ``file`` at ``path``, of its shape and of a
+    type ckptbridge reads, and no other (but ``extra``); one line naming the first that is not."""
     missing = [n for n in expected if n not in file.tensors]
     if missing:
-        raise MismatchError(f"{found}: tensor {missing[0]!r} is missing{more(missing)}; the projector file does not "
-                            f"hold the towers {where} describes")
-    unexpected = sorted(n for n in file.tensors if n not in expected)
+        raise MismatchError(f"{path}: tensor {missing[0]!r} is missing{more(missing)}; the file does not hold the "
+                            f"{what} {where} describes (wrong --config, or an incomplete file)")
+    unexpected = sorted(n for n in file.tensors if n not in expected and n not in extra)
     if unexpected:
-        raise MismatchError(f"{found}: unexpected tensor {unexpected[0]!r}{more(unexpected)}: not part of the "
-                            f"towers {where} describes")
-    for name, t in expected.items():
+        raise MismatchError(f"{path}: unexpected tensor {unexpected[0]!r}{more(unexpected)}: not part of the "
+                            f"{what} that {where} describes")
+    for name, shape in expected.items():
         info = file.tensors[name]
-        if tuple(info.shape) != tuple(t.shape):
-            raise MismatchError(f"{found}: tensor {name!r} has shape {list(info.shape)}, the config implies "
-                                f"{list(t.shape)}; the file and the config disagree")
+        if tuple(info.shape) != tuple(shape):
+            raise MismatchError(f"{path}: tensor {name!r} has shape {list(info.shape)}, the config implies "
+                                f"{list(shape)}; the file and the config disagree")
         if not isinstance(info.type, gguf.TensorType):
-            raise UnsupportedError(f"{found}: tensor {name!r} is of ggml type {info.type}; ckptbridge reads F32, "
-                                   "F16, BF16 and Q8_0")
-    return file, tensors, spelling
+            raise UnsupportedError(f"{path}: tensor {name!r} is of ggml type {info.type}; ckptbridge reads F32, F16, "
+                                   "BF16 and Q8_0 (re-export the model with one of them)")
 
 
 __all__ = ["DTYPES", "GGUFSource", "detect", "open_source"]
