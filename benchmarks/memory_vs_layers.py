@@ -10,10 +10,12 @@ Gemma 4 MoE (one HF tensor per layer's experts), whose layers are mostly experts
 ``--vocab V1 V2`` the models differ in their embedding instead (the largest tensor), so that
 with a small ``--chunk-size`` the peak shows whether conversions hold a tensor whole. With
 ``--quantize int8|fp8`` the merge is also run quantizing in the same pass (dense models).
+``--pairs`` chooses the conversions (any pair of HF, Tunix, MaxText, GGUF bf16 and q8_0 and
+compressed-tensors; ``all``: every one, and merge), each source made from the HF model first.
 
     .venv/bin/python benchmarks/memory_vs_layers.py [--model gemma4|qwen3_moe|gemma4_moe] [--layers 4 16]
         [--vocab V1 V2] [--chunk-size SIZE] [--memory-budget SIZE] [--width 1024] [--quantize int8|fp8]
-        [--out FILE] [--max-growth 0.6]
+        [--pairs s2o o2s merge | all | PAIR ...] [--out FILE] [--max-growth 0.6]
 """
 
 from __future__ import annotations
@@ -29,16 +31,13 @@ import time
 
 DRIVER = r"""
 import json, sys, time
-from ckptbridge import convert_orbax_to_safetensors, convert_safetensors_to_orbax
-from ckptbridge import merge_lora
+from ckptbridge import convert, merge_lora
 import orbax.checkpoint, jax  # the same imports in every run, so baselines are comparable
 what, src, dst = sys.argv[1:4]
 kw = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # the verb's keyword arguments
 t = time.perf_counter()
-if what == "s2o":
-    convert_safetensors_to_orbax(src, dst, progress=False, **kw)
-elif what == "o2s":
-    convert_orbax_to_safetensors(src, dst, progress=False, **kw)
+if what == "convert":
+    convert(src, dst, progress=False, **kw)
 elif what == "merge":
     merge_lora(src, kw.pop("adapter"), dst, progress=False, **kw)
 # peak RSS of this program: VmHWM (ru_maxrss would include the parent's peak at fork)
@@ -46,6 +45,21 @@ with open("/proc/self/status") as f:
     hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": time.perf_counter() - t, "peak_rss_mb": hwm / 1024}))
 """
+
+# The conversions --pairs names: (source format, destination format, convert options). The
+# sources other than HF are made from the HF model once per size (not measured unless named).
+PAIRS = {
+    "s2o": ("hf", "tunix", {}), "o2s": ("tunix", "hf", {}),
+    "hf-maxtext": ("hf", "maxtext", {}), "maxtext-hf": ("maxtext", "hf", {}),
+    "tunix-maxtext": ("tunix", "maxtext", {}), "maxtext-tunix": ("maxtext", "tunix", {}),
+    "hf-gguf": ("hf", "gguf", {"outtype": "bf16"}), "hf-gguf-q8_0": ("hf", "gguf", {"outtype": "q8_0"}),
+    "tunix-gguf": ("tunix", "gguf", {"outtype": "bf16"}), "tunix-gguf-q8_0": ("tunix", "gguf", {"outtype": "q8_0"}),
+    "maxtext-gguf": ("maxtext", "gguf", {"outtype": "bf16"}),
+    "gguf-hf": ("gguf", "hf", {}), "gguf-tunix": ("gguf", "tunix", {}), "gguf-maxtext": ("gguf", "maxtext", {}),
+    "hf-ct": ("hf", "compressed-tensors", {"quantize": "int8"}),
+    "tunix-ct": ("tunix", "compressed-tensors", {"quantize": "int8"}),
+}
+SUFFIX = {"gguf": ".gguf"}
 
 
 def _gemma4(d: int) -> dict:
@@ -63,6 +77,28 @@ MODELS = {
     "gemma4_moe": lambda d: dict(_gemma4(d), intermediate_size=d, enable_moe_block=True, num_experts=16,
                                  top_k_experts=2, moe_intermediate_size=d // 2),
 }
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def _options(src_fmt: str, dst_fmt: str, hf: str) -> dict:
+    """What a pair needs besides the measured options: a GGUF source its HF config, a GGUF file no
+    tokenizer (the random models have none)."""
+    return {**({"config": hf} if src_fmt == "gguf" else {}), **({"tokenizer": False} if dst_fmt == "gguf" else {})}
+
+
+def _source(made: dict, fmt: str, tmp: str, kw: dict) -> str:
+    """The model in format ``fmt``, converted from the HF one the first time it is asked for."""
+    if fmt not in made:
+        dst = os.path.join(tmp, "src-" + fmt + SUFFIX.get(fmt, ""))
+        measure("convert", made["hf"], dst, json.dumps({**kw, **_options("hf", fmt, made["hf"]), "to": fmt}))
+        made[fmt] = dst
+    return made[fmt]
 
 
 def measure(what: str, src: str, dst: str, *extra: str) -> dict:
@@ -90,16 +126,18 @@ def workers_table(args, tmp: str, dims: dict, baseline: dict, budget: dict) -> N
         kw = {**budget, "workers": w}
         orbax = os.path.join(tmp, f"orbax{w}")
         row = {"workers": w}
-        for verb, src, dst, extra in (("s2o", hf, orbax, chunk), ("o2s", orbax, os.path.join(tmp, f"back{w}"), chunk),
+        for verb, src, dst, extra in (("s2o", hf, orbax, {**chunk, "to": "tunix"}),
+                                      ("o2s", orbax, os.path.join(tmp, f"back{w}"), {**chunk, "to": "hf"}),
                                       ("merge", hf, os.path.join(tmp, f"merged{w}"), {"adapter": adapter})):
-            m = measure(verb, src, dst, json.dumps({**kw, **extra}))
+            m = measure("merge" if verb == "merge" else "convert", src, dst, json.dumps({**kw, **extra}))
             row[f"{verb}_s"], row[f"{verb}_peak_rss_mb"] = m["seconds"], m["peak_rss_mb"]
         for name in (f"orbax{w}", f"back{w}", f"merged{w}"):
             shutil.rmtree(os.path.join(tmp, name))
         rows.append(row)
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"model {args.model}, width D={dims['hidden_size']}, {n} layers, checkpoint {dir_bytes(hf) / 2**20:.0f} MB, "
-          f"memory budget {args.memory_budget or 'default'}; baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
+          f"memory budget {args.memory_budget or 'default'}; "
+          f"baseline RSS after imports: {baseline['peak_rss_mb']:.0f} MB")
     print(f"{'workers':>7} " + " ".join(f"{v + ' s':>8} {v + ' peak MB':>13}" for v in ("s2o", "o2s", "merge")))
     for r in rows:
         print(f"{r['workers']:>7} " + " ".join(f"{r[v + '_s']:>8.2f} {r[v + '_peak_rss_mb']:>13.0f}"
@@ -138,6 +176,10 @@ def main() -> None:
                     "the memory budget at any worker count")
     ap.add_argument("--chunk-size", help="--chunk-size of both conversions (default: ckptbridge's)")
     ap.add_argument("--memory-budget", help="--memory-budget of every verb (default: ckptbridge's)")
+    ap.add_argument("--pairs", nargs="+", default=["s2o", "o2s", "merge"], choices=[*PAIRS, "merge", "all"],
+                    help="what to measure at each size: conversions (source-destination; s2o is hf-tunix, o2s "
+                    "tunix-hf; q8_0 a GGUF of that type, ct compressed-tensors int8) and merge; all: every one "
+                    "(default: s2o o2s merge)")
     ap.add_argument("--quantize", choices=("int8", "fp8"),
                     help="also measure merge --quantize SCHEME (a dense model: MoE experts are not quantized)")
     ap.add_argument("--out", help="write results JSON here")
@@ -156,36 +198,42 @@ def main() -> None:
         budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
         if args.workers:
             return workers_table(args, tmp, dims, baseline, budget)
-        convert = json.dumps({**budget, **({"chunk_size": args.chunk_size} if args.chunk_size else {})})
-        sizes = [(args.layers[0], v) for v in args.vocab] if args.vocab else [(n, dims["vocab_size"]) for n in args.layers]
+        verbs = [*PAIRS, "merge"] if "all" in args.pairs else args.pairs
+        chunk = {"chunk_size": args.chunk_size} if args.chunk_size else {}
+        sizes = ([(args.layers[0], v) for v in args.vocab] if args.vocab
+                 else [(n, dims["vocab_size"]) for n in args.layers])
         for n, vocab in sizes:
-            hf = os.path.join(tmp, f"hf{n}")
+            hf = os.path.join(tmp, f"hf{n}-{vocab}")
             write_random_checkpoint(hf, num_hidden_layers=n, **{**dims, "vocab_size": vocab})
             size = dir_bytes(hf)
             t = time.perf_counter()
             subprocess.run(["cp", "-r", hf, hf + ".cp"], check=True)
             cp_s = time.perf_counter() - t
-            shutil.rmtree(hf + ".cp")  # each output is removed once measured: the disk holds two models at most
-            s2o = measure("s2o", hf, os.path.join(tmp, f"orbax{n}"), convert)
-            o2s = measure("o2s", os.path.join(tmp, f"orbax{n}"), os.path.join(tmp, f"back{n}"), convert)
-            for name in (f"orbax{n}", f"back{n}"):
-                shutil.rmtree(os.path.join(tmp, name))
-            adapter = write_random_adapter(hf, os.path.join(tmp, f"adapter{n}"), r=16)
-            merge = measure("merge", hf, os.path.join(tmp, f"merged{n}"), json.dumps({**budget, "adapter": adapter}))
-            shutil.rmtree(os.path.join(tmp, f"merged{n}"))
-            extra = {}
-            if args.quantize:
-                mq = measure("merge", hf, os.path.join(tmp, f"mergedq{n}"),
-                             json.dumps({**budget, "adapter": adapter, "quantize": args.quantize}))
-                extra = {"mergeq_s": mq["seconds"], "mergeq_peak_rss_mb": mq["peak_rss_mb"]}
-                shutil.rmtree(os.path.join(tmp, f"mergedq{n}"))
-            rows.append({**extra, "layers": n, "vocab": vocab, "embedding_mb": vocab * d * 2 / 2**20,
-                         "checkpoint_mb": size / 2**20, "cp_s": cp_s,
-                         "s2o_s": s2o["seconds"], "s2o_peak_rss_mb": s2o["peak_rss_mb"],
-                         "o2s_s": o2s["seconds"], "o2s_peak_rss_mb": o2s["peak_rss_mb"],
-                         "merge_s": merge["seconds"], "merge_peak_rss_mb": merge["peak_rss_mb"]})
-            for name in (f"adapter{n}", f"hf{n}"):
-                shutil.rmtree(os.path.join(tmp, name))
+            shutil.rmtree(hf + ".cp")  # each output is removed once measured
+            row = {"layers": n, "vocab": vocab, "embedding_mb": vocab * d * 2 / 2**20, "checkpoint_mb": size / 2**20,
+                   "cp_s": cp_s}
+            made = {"hf": hf}
+            for verb in verbs:
+                if verb == "merge":
+                    adapter = write_random_adapter(hf, os.path.join(tmp, "adapter"), r=16)
+                    quantized = [("mergeq", {"quantize": args.quantize})] if args.quantize else []
+                    for name, extra in [("merge", {}), *quantized]:
+                        m = measure("merge", hf, os.path.join(tmp, "merged"),
+                                    json.dumps({**budget, "adapter": adapter, **extra}))
+                        row[f"{name}_s"], row[f"{name}_peak_rss_mb"] = m["seconds"], m["peak_rss_mb"]
+                        shutil.rmtree(os.path.join(tmp, "merged"))
+                    shutil.rmtree(adapter)
+                    continue
+                src_fmt, dst_fmt, opts = PAIRS[verb]
+                src = _source(made, src_fmt, tmp, {**budget, **chunk})
+                dst = os.path.join(tmp, "out" + SUFFIX.get(dst_fmt, ""))
+                m = measure("convert", src, dst, json.dumps({**budget, **chunk, **_options(src_fmt, dst_fmt, hf),
+                                                             **opts, "to": dst_fmt}))
+                row[f"{verb}_s"], row[f"{verb}_peak_rss_mb"] = m["seconds"], m["peak_rss_mb"]
+                _remove(dst)
+            rows.append(row)
+            for path in made.values():
+                _remove(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -193,32 +241,34 @@ def main() -> None:
     print(f"model {args.model}, width D={d}, bf16, chunk size {args.chunk_size or 'default'}, memory budget "
           f"{args.memory_budget or 'default'}; baseline RSS after "
           f"imports: {baseline['peak_rss_mb']:.0f} MB")
-    print(f"{'layers':>6} {'emb MB':>7} {'ckpt MB':>8} {'cp s':>6} {'s2o s':>6} {'s2o peak MB':>12} {'o2s s':>6} "
-          f"{'o2s peak MB':>12} {'merge s':>8} {'merge peak MB':>14}")
+    names = [v for v in verbs if v != "merge"] + (["merge"] if "merge" in verbs else []) + \
+        (["mergeq"] if "merge" in verbs and args.quantize else [])
+    print(f"{'layers':>6} {'emb MB':>7} {'ckpt MB':>8} {'cp s':>6} " + " ".join(f"{v + ' s':>{max(8, len(v) + 2)}} "
+                                                                           f"{v + ' peak MB':>{len(v) + 8}}"
+                                                                           for v in names))
     for r in rows:
-        print(f"{r['layers']:>6} {r['embedding_mb']:>7.0f} {r['checkpoint_mb']:>8.0f} {r['cp_s']:>6.2f} {r['s2o_s']:>6.2f} "
-              f"{r['s2o_peak_rss_mb']:>12.0f} {r['o2s_s']:>6.2f} {r['o2s_peak_rss_mb']:>12.0f} "
-              f"{r['merge_s']:>8.2f} {r['merge_peak_rss_mb']:>14.0f}")
+        print(f"{r['layers']:>6} {r['embedding_mb']:>7.0f} {r['checkpoint_mb']:>8.0f} {r['cp_s']:>6.2f} "
+              + " ".join(f"{r[v + '_s']:>{max(8, len(v) + 2)}.2f} {r[v + '_peak_rss_mb']:>{len(v) + 8}.0f}"
+                         for v in names))
     first, last = rows[0], rows[-1]
-    keys = ("checkpoint_mb", "s2o_peak_rss_mb", "o2s_peak_rss_mb", "merge_peak_rss_mb") + \
-        (("mergeq_peak_rss_mb",) if args.quantize else ())
+    keys = ("checkpoint_mb", *(f"{v}_peak_rss_mb" for v in names))
     ratio = {k: last[k] / first[k] for k in keys}
     what = (f"embedding {last['vocab']} vs {first['vocab']} rows" if args.vocab
             else f"{last['layers']} vs {first['layers']} layers")
     print(f"ratio {what}: checkpoint {ratio['checkpoint_mb']:.2f}x, "
-          f"s2o peak RSS {ratio['s2o_peak_rss_mb']:.2f}x, o2s peak RSS {ratio['o2s_peak_rss_mb']:.2f}x, "
-          f"merge peak RSS {ratio['merge_peak_rss_mb']:.2f}x"
-          + (f", merge --quantize {args.quantize} peak RSS {ratio['mergeq_peak_rss_mb']:.2f}x" if args.quantize else ""))
+          + ", ".join(f"{v} peak RSS {ratio[v + '_peak_rss_mb']:.2f}x" for v in names))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "width": d, "quantize": args.quantize, "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
+            json.dump({"model": args.model, "width": d, "quantize": args.quantize,
+                       "baseline_rss_mb": baseline["peak_rss_mb"], "rows": rows, "ratio": ratio}, f, indent=2)
     growth = {k: (last[k] - first[k]) / (last["checkpoint_mb"] - first["checkpoint_mb"]) for k in keys[1:]}
-    print("peak RSS growth per MB of checkpoint: " + ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in growth.items()))
+    print("peak RSS growth per MB of checkpoint: " + ", ".join(f"{k.removesuffix('_peak_rss_mb')} {v:.2f}"
+                                                             for k, v in growth.items()))
     if args.max_growth is not None:
         over = [k for k, v in growth.items() if v > args.max_growth]
         if over:
-            print(f"memory grows with the model: {', '.join(f'{k} {growth[k]:.2f}' for k in over)} MB/MB "
-                  f"> {args.max_growth}")
+            grown = ", ".join(f"{k.removesuffix('_peak_rss_mb')} {growth[k]:.2f}" for k in over)
+            print(f"memory grows with the model: {grown} MB/MB > {args.max_growth}")
             sys.exit(1)
         print(f"memory guard ok: every peak RSS grows <= {args.max_growth} MB per MB of checkpoint")
 

@@ -193,10 +193,10 @@ class Merged(ModelRows):
     def hf_keys(self) -> list[str]:
         return self.inner.hf_keys()
 
-    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = ()) -> HFPlan:
+    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = (), towers: bool = True) -> HFPlan:
         """The inner source's plan with every delta's tensor computed, each piece merged by its job
         (counted twice where the source's pieces do not count their float32 rows already)."""
-        plan = self.inner.hf_plan(chunk_bytes, set(computed) | set(self.deltas))
+        plan = self.inner.hf_plan(chunk_bytes, set(computed) | set(self.deltas), towers)
         weight = 1 if self.inner.row_addressable else 2
         return HFPlan(plan.tensors, self._merged_jobs(plan.jobs, weight))
 

@@ -201,14 +201,14 @@ class ModelRows(Opened):
             hf = whole[i:j] if blocks.keyed else whole[i * blocks.hf_rows:j * blocks.hf_rows]
         return hf
 
-    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = ()) -> HFPlan:
+    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = (), towers: bool = True) -> HFPlan:
         """Every HF tensor of the rows in entry order: a row at most ``chunk_bytes`` in one job, a
         larger one in runs of rows (:meth:`block_ranges`), each job counted at :data:`HELD_PER_BYTE`
         times its bytes. (``computed``: keys that must come as values, for sources that can copy
-        stored bytes.)"""
+        stored bytes; ``towers``: False for the text model's tensors alone.)"""
         jobs: list[Job] = []
         tensors: list[HFTensor] = []
-        for e in self.all_entries:
+        for e in self.all_entries if towers else self.entries:
             if not e.hf_keys:
                 continue
             dtype = self.dtype(e)

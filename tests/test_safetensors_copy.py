@@ -14,10 +14,11 @@ def test_file_ranges_copy_bytes_exactly(tmp_path, monkeypatch, in_kernel):
     kernel cannot), in steps smaller than the tensor, with writeback started along the way."""
     import ml_dtypes
 
+    from ckptbridge.io import output
     from ckptbridge.io import safetensors as st
 
-    monkeypatch.setattr(st, "COPY_STEP", 1000)
-    monkeypatch.setattr(st, "WRITEBACK_EVERY", 4096)
+    monkeypatch.setattr(output, "COPY_STEP", 1000)
+    monkeypatch.setattr(output, "WRITEBACK_EVERY", 4096)
     if not in_kernel:
         monkeypatch.delattr(os, "copy_file_range", raising=False)
     rng = np.random.default_rng(0)

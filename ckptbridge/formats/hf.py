@@ -149,14 +149,17 @@ class HFSource(ModelRows):
     def asset_dir(self) -> str:
         return self.model.path
 
-    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = ()) -> HFPlan:
+    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = (), towers: bool = True) -> HFPlan:
         """Every tensor of the files in their order (towers and stored tied heads too): those in
         ``computed`` read in blocks of rows of at most ``chunk_bytes`` as float32 (each counted at
         what a block holds at its peak: the float32 rows, the rows read and the rows returned),
-        the others copied as stored."""
+        the others copied as stored (``towers``: False for the text model's alone)."""
         tensors: list[HFTensor] = []
         jobs: list[Job] = []
+        skip = set() if towers else {k for e in self.tower_entries for k in e.hf_keys}
         for key in self.hf_keys():
+            if key in skip:
+                continue
             dtype, shape = self.key_info(key)
             if key not in computed:
                 tensors.append(HFTensor(key, dtype, shape, 0, functools.partial(self._byte_range, key)))

@@ -29,6 +29,7 @@ import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
 from ckptbridge.io.atomic import atomic_directory, check_destination
+from ckptbridge.io.output import OutputFile
 from ckptbridge.io.safetensors import DTYPES
 
 MAGIC = b"GGUF"
@@ -225,19 +226,22 @@ def write_gguf_files(files: Sequence[tuple[str, Mapping[str, Value], Iterable[Pl
     with contextlib.ExitStack() as stack:
         for dst, head, planned, alignment in plans:
             tmp = stack.enter_context(atomic_directory(dst, overwrite))
-            with open(tmp, "wb") as f:
-                f.write(head)
+            out = OutputFile(tmp)
+            ok = False
+            try:
+                out.write(memoryview(head))
                 for t in planned:
-                    _write_tensor(f, t, alignment)
+                    _write_tensor(out, t, alignment)
                     if on_written is not None:
                         on_written(t.nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-                sizes.append(f.tell())
+                ok = True
+            finally:
+                out.close(sync=ok)
+            sizes.append(out.pos)
     return sizes
 
 
-def _write_tensor(f: BinaryIO, t: PlannedTensor, alignment: int) -> None:
+def _write_tensor(f: OutputFile, t: PlannedTensor, alignment: int) -> None:
     want_dtype, want_shape = t.type.storage(t.shape)
     data = t.produce()
     if isinstance(data, np.ndarray):
@@ -255,7 +259,7 @@ def _write_tensor(f: BinaryIO, t: PlannedTensor, alignment: int) -> None:
     if written != t.nbytes:
         raise MismatchError(f"{t.name}: produced {written} bytes, a {t.type.name} tensor of shape {t.shape} has "
                             f"{t.nbytes}")
-    f.write(b"\0" * _padding(t.nbytes, alignment))
+    f.write(memoryview(b"\0" * _padding(t.nbytes, alignment)))
 
 
 GGML_QUANT_VERSION = 2  # general.quantization_version as ggml's converter writes it

@@ -153,13 +153,18 @@ def size_label(planned: list[gguf.PlannedTensor]) -> str:
     return f"{expert_sum // n_expert}x{label}" if n_expert else label
 
 
-def _finish(t: _Tensor, values: np.ndarray, src_dtype: np.dtype) -> np.ndarray:
-    """Values of ``t`` (whole, or rows) changed as ggml's converter changes them, in its stored form."""
+def _finish(t: _Tensor, values: np.ndarray, src_dtype: np.dtype, first_row: int = 0) -> np.ndarray:
+    """Values of ``t`` (whole, or its rows from ``first_row``) changed as ggml's converter changes
+    them, in its stored form (rows to reorder for ggml's rotation must be whole heads)."""
     if t.shift:  # in float32 (in float16 for float16 sources, as the converter computes)
         work = np.dtype(np.float16 if src_dtype == np.float16 else np.float32)
         values = values.astype(work) + np.asarray(t.shift, work)
     if t.rope_heads is not None:
-        values = interleaved_rope_rows(values.reshape(t.hf_shape), t.rope_heads)
+        values = values.reshape(-1, *t.hf_shape[1:])
+        per_head = t.hf_shape[0] // t.rope_heads
+        if first_row % per_head or len(values) % per_head:
+            raise RuntimeError(f"{t.name}: rows {first_row}:{first_row + len(values)} are not whole heads")
+        values = interleaved_rope_rows(values, len(values) // per_head)
     return store(values, t.type)
 
 
@@ -275,20 +280,26 @@ def _row_jobs(rows: ModelRows, tensors: list[_Tensor], block_bytes: int) -> tupl
     return itertools.chain.from_iterable(jobs), counts
 
 
-def _entry_job(rows: ModelRows, e: mapping.Entry, by_key: dict[str, _Tensor]) -> list:
+def _plan_job(make: Callable[[], list], by_key: dict[str, _Tensor]) -> list:
     out = []
-    for key, v in zip(e.hf_keys, rows.arrays(e)):
+    for key, first_row, v in make():
         t = by_key[key]
-        out.append((t.name, _finish(t, v, v.dtype)))
+        out.append((t.name, _finish(t, v, v.dtype, first_row)))
     return out
 
 
-def _entry_jobs(rows: ModelRows, tensors: list[_Tensor]) -> tuple[Iterator, dict[str, int]]:
-    """One job per row of the family: its HF tensors, each as its GGUF tensor stores it."""
+def _plan_jobs(rows: ModelRows, tensors: list[_Tensor],
+               block_bytes: int) -> tuple[list[_Tensor], Iterator, dict[str, int]]:
+    """``tensors`` in the order of the source's own HF plan of the text model, and its jobs (a row
+    of the family, or a run of its rows where larger than ``block_bytes``), each part as its GGUF
+    tensor stores it: each costs what its values hold read, and their float32 work and stored form."""
     by_key = {k: t for t in tensors for k in t.keys}
-    jobs = ((HELD_PER_BYTE * math.prod(e.hf_shape) * len(e.hf_keys) * rows.dtype(e).itemsize,
-             functools.partial(_entry_job, rows, e, by_key)) for e in rows.entries if e.hf_keys)
-    return jobs, {t.name: len(t.keys) for t in tensors}
+    hf = rows.hf_plan(block_bytes // 2, computed=by_key, towers=False)
+    parts = {t.key: t.parts for t in hf.tensors}
+    order = {t.key: n for n, t in enumerate(hf.tensors)}
+    jobs = ((cost + 3 * cost // HELD_PER_BYTE, functools.partial(_plan_job, make, by_key)) for cost, make in hf.jobs)
+    return (sorted(tensors, key=lambda t: order[t.keys[0]]), jobs,
+            {t.name: sum(parts[k] for k in t.keys) for t in tensors})
 
 
 def plan(rows: ModelRows, type_of: Callable[[str, tuple[int, ...]], gguf.TensorType], engine: Engine,
@@ -302,7 +313,7 @@ def plan(rows: ModelRows, type_of: Callable[[str, tuple[int, ...]], gguf.TensorT
             tensors = converter_order(tensors, rows.position)  # type: ignore[arg-type]
         jobs, counts = _row_jobs(rows, tensors, block_bytes)
     else:
-        jobs, counts = _entry_jobs(rows, tensors)
+        tensors, jobs, counts = _plan_jobs(rows, tensors, block_bytes)
     return Planned(rows, spec_gguf, h, tensors, Parts(engine.stream(jobs)), counts)
 
 

@@ -147,12 +147,13 @@ class GGUFSource(ModelRows):
 
         return _config_assets(self.config_dir)
 
-    def hf_plan(self, chunk_bytes: int, computed=()):
-        """Every HF tensor in entry order, in blocks of rows of at most ``chunk_bytes``."""
+    def hf_plan(self, chunk_bytes: int, computed=(), towers: bool = True):
+        """Every HF tensor in entry order, in blocks of rows of at most ``chunk_bytes`` (``towers``:
+        False for the text model's alone)."""
         from ckptbridge.rows import HFPlan, HFTensor
 
         tensors, jobs = [], []
-        for e in self.tower_entries:  # (ggml's converter reads the projector's tensors first too)
+        for e in self.tower_entries if towers else ():  # (ggml's converter reads the projector's tensors first too)
             key = e.hf_keys[0]
             tensors.append(HFTensor(key, self._dtype, e.hf_shape))
             jobs.append((4 * max(1, math.prod(e.hf_shape)), functools.partial(self._tower_part, key)))

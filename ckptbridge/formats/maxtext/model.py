@@ -293,13 +293,17 @@ class MaxTextSource(ModelRows):
         pieces = _box_pieces(self, leaf, pos, stored, transforms, self.dtype(blocks.entry), i, j)
         return np.stack([v for _, _, v in pieces]) if stored.keyed else pieces[0][2]
 
-    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = ()) -> HFPlan:
+    def hf_plan(self, chunk_bytes: int, computed: Collection[str] = (), towers: bool = True) -> HFPlan:
         """The HF tensors leaf by leaf (the parts of a fused row together): one layer of a scanned
         tensor at a time where it is stored so (else the layers of one stored chunk at once, read
-        once), row blocks of about ``chunk_bytes`` of larger ones."""
+        once), row blocks of about ``chunk_bytes`` of larger ones (``towers``: False for the text
+        model's alone)."""
         jobs: list[Job] = []
         tensors: list[HFTensor] = []
+        text = None if towers else {id(e) for e in self.entries}
         for unit in self.units:
+            if text is not None and id(unit[0].entries[0]) not in text:
+                continue
             dtype = self.hf_dtype(unit[0])
             unit_jobs, unit_tensors = _unit_jobs(self, unit, chunk_bytes, dtype)
             jobs += unit_jobs
