@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptbridge import formats, hub, options
-from ckptbridge.errors import ConfigError
+from ckptbridge.errors import ConfigError, MismatchError
 from ckptbridge.formats import ADAPTER, MODEL, Format
 from ckptbridge.report import Report
 from ckptbridge.stream import Engine, Parallelism
@@ -127,6 +127,7 @@ def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: flo
     keys = set(rows.hf_keys())
     deltas: Deltas = {}
     quant: list[dict] = []
+    held = getattr(rows, "base_quant", None)  # a QLoRA base stored quantized: its weights are as trained
     for name in adapters:
         with open_adapter(name, base, step=step, alpha=alpha) as ad:
             collect_deltas(keys, ad, name, deltas)
@@ -136,16 +137,44 @@ def merged(rows, adapters: Sequence[str], *, step: int | None = None, alpha: flo
                                   "base_quant); merge it without --as-trained")
             if found:
                 quant.append(found)
-                if as_trained:
+                if as_trained and held:
+                    _check_held(rows.path, held, found, name)
+                elif as_trained:
                     check_trained_base(rows, found, name)
     if as_trained and any(_as_trained_fields(q) != _as_trained_fields(quant[0]) for q in quant):
         raise ConfigError("--as-trained: the adapters were trained on differently quantized bases; merge them "
                           "one at a time")
-    if not as_trained:
+    if not as_trained or held:
         return Merged(rows, deltas)
     contracted = {base.weight_key(name): tuple(mod.shapes(1)["a_tunix"][:-1])
                   for name, (mod, _) in base.by_hf_module().items()}
     return Merged(rows, deltas, AsTrained(**_as_trained_fields(quant[0]), contracted=contracted))
+
+
+def _check_quantize(dest: Format, quantize: str | None, tile: int | None) -> None:
+    """``--quantize`` (and ``--tile``) as the destination takes them, refused in one line otherwise."""
+    if dest.name == "tunix":
+        if quantize is not None and quantize not in options.QLORA_SCHEMES:
+            raise ConfigError(f"--quantize {quantize}: a Tunix QLoRA base is quantized as "
+                              f"{', '.join(options.QLORA_SCHEMES)} (qwix's types)")
+        if tile is not None and quantize is None:
+            raise ConfigError("--tile: the tiles of --quantize; give the scheme (--quantize int8|int4|nf4)")
+        if tile is not None and tile < 1:
+            raise ConfigError(f"--tile {tile}: a tile is at least 1 input")
+    elif quantize is not None and dest.name in ("hf", "compressed-tensors") and quantize not in options.QUANT_SCHEMES:
+        raise ConfigError(f"--quantize {quantize}: {dest.name} is written as {' or '.join(options.QUANT_SCHEMES)}; "
+                          f"{quantize} is a QLoRA base's (--to tunix)")
+
+
+def _check_held(path: str, held: dict, found: dict, adapter: str) -> None:
+    """Refuse, in one line, an adapter trained on another quantization or another base than the
+    pre-quantized base ``path`` holds."""
+    if _as_trained_fields(held) != _as_trained_fields(found):
+        f, h = _as_trained_fields(found), _as_trained_fields(held)
+        raise MismatchError(f"--as-trained: {adapter} was trained on a base held as {f}; {path} holds {h}")
+    if held.get("base_digest") and found.get("base_digest") and held["base_digest"] != found["base_digest"]:
+        raise MismatchError(f"--as-trained: {path} was quantized from another base than the one {adapter} was trained "
+                            f"on (digest {held['base_digest']}, the run recorded {found['base_digest']})")
 
 
 def _as_trained_fields(record: dict) -> dict:
@@ -198,6 +227,7 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
         raise ConfigError(f"{src}: a {fmt.name} {fmt.kind}; --to {dest.name} holds {holds}: write it as one of {kinds}")
     if dest.name == "compressed-tensors" and quantize is None:
         raise ConfigError("--to compressed-tensors: say the scheme with --quantize int8|fp8")
+    _check_quantize(dest, quantize, opts.get("tile"))
     if fmt.kind == ADAPTER and adapters:
         raise ConfigError(f"{src}: an adapter; --adapter merges adapters into a model")
     if fmt.kind == MODEL and base is not None:
@@ -234,7 +264,15 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
         rows = stack.enter_context(open_model(src, fmt, opts, towers="keep" if dest.towers == "refuse" else dest.towers,
                                               quantized_fix=fix))
         check_towers(rows, dest, dst)
-        if quantize is not None:  # what cannot be quantized is refused before the adapters are read
+        held = getattr(rows, "base_quant", None)
+        if held and not (adapters and opts.get("as_trained")):
+            from ckptbridge.errors import UnsupportedError
+
+            raise UnsupportedError(
+                f"{src}: a QLoRA base (its LoRA targets' weights stored as qwix's {held.get('scheme')} arrays); "
+                "convert the model it was quantized from, or merge an adapter trained on it with --adapter ... "
+                "--as-trained")
+        if quantize is not None and dest.name != "tunix":  # what cannot be quantized is refused before the adapters
             from ckptbridge.formats.hf import quantization_plan
 
             quantization_plan(rows, quantize, src)

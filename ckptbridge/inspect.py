@@ -76,7 +76,8 @@ class HFModelInfo(Info):
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxInfo(Info):
-    OMIT_NONE = ("format", "family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext", "towers")
+    OMIT_NONE = ("format", "family", "layers", "layer_kinds", "tunix_mismatch", "lora_ranks", "maxtext", "towers",
+                 "quantization")
 
     kind: str
     path: str
@@ -93,6 +94,7 @@ class OrbaxInfo(Info):
     maxtext: dict | None = None  # a MaxText checkpoint's tree, scan_layers and LoRA (formats.maxtext.model.describe)
     format: str | None = None  # its format in the registry (ckptbridge formats), as convert finds it
     towers: dict | None = None  # the towers it holds (tensors, bytes), as its metadata records them
+    quantization: str | None = None  # a QLoRA base stored quantized: how (ckptbridge.qlora_base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +232,17 @@ def _inspect_orbax(path: str, step: int | None) -> OrbaxInfo:
                      bytes=sum(_count(s) * d.itemsize for s, d in leaves.values()),
                      metadata={k: v for k, v in meta.items() if k not in ("hf_config", "towers")}, **described,
                      towers=meta.get("towers") if isinstance(meta.get("towers"), dict) else None,
+                     quantization=_qlora_base(meta.get("base_quant")) if not lora else None,
                      lora_ranks={str(r): n for r, n in ranks.items()} if lora else None)
+
+
+def _qlora_base(record) -> str | None:
+    """What a QLoRA base stored quantized holds, in one line (None for another checkpoint)."""
+    if not isinstance(record, dict) or not record.get("scheme"):
+        return None
+    tile = f" in tiles of {record['tile']}" if record.get("tile") else " (one scale per output channel)"
+    return (f"QLoRA base: {record.get('weights')} weights of {', '.join(record.get('targets') or [])} stored as "
+            f"qwix's {record['scheme']} arrays{tile}, from {record.get('param_dtype')} (python -m training --base)")
 
 
 def _inspect_peft(path: str) -> PeftInfo:

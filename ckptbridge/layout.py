@@ -64,23 +64,31 @@ def shape(layout: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
         raise ValueError(f"layout {layout!r}: no size for axis {e.args[0]!r}") from None
 
 
-def rearrange(x: np.ndarray, src: str, dst: str, sizes: Mapping[str, int]) -> np.ndarray:
-    """Rearrange ``x`` from layout ``src`` to layout ``dst`` (same axis names)."""
+def steps(src: str, dst: str, sizes: Mapping[str, int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """How :func:`rearrange` goes from layout ``src`` to ``dst``: the shape to view the tensor in
+    (one dimension per axis), the permutation of those dimensions, and the shape of the result;
+    for any array library (the same steps on a device)."""
     src_axes, dst_axes = axes(src), axes(dst)
     if sorted(src_axes) != sorted(dst_axes):
         raise ValueError(f"layouts {src!r} and {dst!r} name different axes")
+    return (tuple(sizes[a] for a in src_axes), tuple(src_axes.index(a) for a in dst_axes), shape(dst, sizes))
+
+
+def rearrange(x: np.ndarray, src: str, dst: str, sizes: Mapping[str, int]) -> np.ndarray:
+    """Rearrange ``x`` from layout ``src`` to layout ``dst`` (same axis names)."""
+    view, order, out_shape = steps(src, dst, sizes)
     expected = shape(src, sizes)
     if tuple(x.shape) != expected:
         raise ValueError(f"tensor of shape {tuple(x.shape)} does not match layout {src!r} = {expected}")
-    flat = x.reshape([sizes[a] for a in src_axes])
-    perm = [src_axes.index(a) for a in dst_axes]
+    flat = x.reshape(view)
+    perm = list(order)
     if perm == list(range(len(perm))):
-        return flat.reshape(shape(dst, sizes))
+        return flat.reshape(out_shape)
     # The copy moves whole elements: done on unsigned integers of the same size it is exact and,
     # for ml_dtypes (bfloat16), about 30% faster than in the original dtype.
     as_uint = _UINT.get(flat.dtype.itemsize) if flat.dtype.kind not in "biuO" else None
     moved = flat.view(as_uint) if as_uint is not None else flat
-    out = transpose_copy(moved, perm).reshape(shape(dst, sizes))
+    out = transpose_copy(moved, perm).reshape(out_shape)
     return out.view(flat.dtype) if as_uint is not None else out
 
 

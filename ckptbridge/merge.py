@@ -184,6 +184,9 @@ class Merged(ModelRows):
     def position(self, key: str):
         return self.inner.position(key)
 
+    def byte_range(self, key: str):
+        return None if key in self.deltas else self.inner.byte_range(key)
+
     def assets(self):
         return self.inner.assets()
 

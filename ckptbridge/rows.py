@@ -149,6 +149,11 @@ class ModelRows(Opened):
         """Where ``key`` lies in the source's files (for writers that follow the source's order), or None."""
         return None
 
+    def byte_range(self, key: str):
+        """The stored bytes of HF tensor ``key`` (an :class:`~ckptbridge.io.output.FileRange`), for
+        writers that store it as it is, where the source's files hold exactly them; else None."""
+        return None
+
     def assets(self) -> tuple[list[str], str] | None:
         """The model's non-weight files (tokenizer, chat template, ...) and their directory, or None."""
         return None
@@ -236,14 +241,16 @@ class ModelRows(Opened):
             return [(keys[0], i * per_index, hf)]
         return [(keys[n], 0, hf[n - i]) for n in range(i, j)]  # one HF tensor per index
 
-    def metadata(self, kind: str, tunix_version: str | None) -> dict:
-        """The ckptbridge metadata a checkpoint written from these rows carries."""
+    def metadata(self, kind: str, tunix_version: str | None, base_quant: dict | None = None) -> dict:
+        """The ckptbridge metadata a checkpoint written from these rows carries (``base_quant``: a
+        QLoRA base's quantization)."""
         found = self.assets()
         return {KEY: Metadata(
             kind=kind, family=self.spec.name, hf_config=self.cfg.hf_config, key_prefix=self.prefix,
             config_dialect=self.cfg.dialect, towers_dropped=self.towers_dropped,
             towers=tower_record(self.tower_entries, self.key_info, self.tower_spelling) or None,
             assets=found[0] if found else [], source=_absolute(self.path), tunix_version=tunix_version,
+            base_quant=base_quant,
         ).to_json()}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge import layout, mapping
+from ckptbridge import layout, mapping, qlora_base
 from ckptbridge.config import ModelConfig
 from ckptbridge.errors import ConfigError, UnsupportedError
 from ckptbridge.formats import qwix as qwix_lora
@@ -318,13 +318,33 @@ class TunixModelPlan:
         shardings = self._shardings(self.abstract_state)
         source, pdtype = self.source, self.param_dtype
         default_device = jax.devices()[0]
-        quantize = _Quantizer(self.abstract_model()) if self.quantized() else None
+        quantize = qlora_base.Quantizer(self.abstract_model()) if self.quantized() else None
+        stored_parts = getattr(source, "quantized_parts", None)  # a QLoRA base stored quantized
 
         def place(e: mapping.Entry):
             target = _lookup(pure, e.tunix_path)
             parts = isinstance(target, dict)  # a QLoRA base weight: qwix's QArray (qvalue, scale)
+            held = stored_parts(e) if stored_parts is not None else None
+            if held is not None:
+                if not parts:
+                    raise ConfigError(f"{self.src}: {e.tunix_name} is stored quantized, but this run's LoRA rules "
+                                      "hold it as it is: train with targets that cover every quantized module "
+                                      f"({', '.join(getattr(source, 'base_quant', {}).get('targets') or [])})")
+                return _place_parts(e, target, held, _lookup(shardings, e.tunix_path) if shardings is not None
+                                    else default_device)
             if parts:
                 target = target["array"]["qvalue"]
+            device = _lookup(shardings, e.tunix_path) if shardings is not None else default_device
+            one = _one_device(device) if not parts and source.format == "hf" and e.hf_keys and e.rule.stack is None \
+                else None
+            if one is not None:  # the HF tensors as the files hold them, rearranged and cast by the device
+                dst = mapping.layout_with_shape(e, tuple(target.shape)) or e.tunix_layout
+                placed = _put_rearranged(e, source.arrays(e, mapped=True), dst, device, one, pdtype)
+                if tuple(placed.shape) != tuple(target.shape):
+                    raise UnsupportedError(
+                        f"{e.tunix_name}: Tunix expects {tuple(target.shape)}, the map gives {placed.shape}")
+                placed.block_until_ready()
+                return placed
             # over the mapped files: a tensor whose layout stays goes from the page cache to the
             # device with no host copy (on a TPU VM, 3.6x faster than reading into fresh memory)
             value = np.asarray(source.tunix_value(e, mapped=True))
@@ -334,7 +354,6 @@ class TunixModelPlan:
             if tuple(value.shape) != tuple(target.shape):
                 raise UnsupportedError(
                     f"{e.tunix_name}: Tunix expects {tuple(target.shape)}, the map gives {value.shape}")
-            device = _lookup(shardings, e.tunix_path) if shardings is not None else default_device
             if parts:  # quantized on the host's cores, then each part placed on its sharding
                 assert quantize is not None
                 q = quantize(e.tunix_path, _real_path(pure, e.tunix_path), value.astype(pdtype, copy=False))
@@ -403,28 +422,63 @@ class TunixModelPlan:
         self.close()
 
 
-class _Quantizer:
-    """A base weight as the QLoRA model holds it: qwix's own ``quantize_params`` against the
-    abstract model (which knows how each weight is quantized), on the host's CPU device, one
-    tensor at a time; the result as numpy arrays (``{"array": {"qvalue", "scale"}}``)."""
+def _one_device(where):
+    """The device of a placement on one device (a device, or a sharding over one of this
+    process's), else None."""
+    import jax
 
-    def __init__(self, abstract_model):
-        import jax
+    if isinstance(where, jax.Device):
+        return where
+    devices = getattr(where, "device_set", None)
+    if devices is not None and len(devices) == 1 and getattr(where, "is_fully_addressable", True):
+        return next(iter(devices))
+    return None
 
-        self.model = abstract_model
-        self.cpu = jax.local_devices(backend="cpu")[0]
 
-    def __call__(self, path: tuple[str, ...], real_path: tuple, value: np.ndarray) -> dict:
-        import jax
-        import qwix
+@functools.cache
+def _rearranging(view: tuple, order: tuple, out_shape: tuple, dtype: str, stacked: bool, sharding):
+    """The compiled rearrangement of HF tensors into a Tunix parameter (``layout.steps``), cast to
+    ``dtype``, onto ``sharding``: one program per shape, shared by the weights that have it."""
+    import jax
+    import jax.numpy as jnp
 
-        tree: dict = {}
-        node = tree
-        for k in real_path[:-1]:
-            node = node.setdefault(k, {})
-        node[real_path[-1]] = jax.device_put(value, self.cpu)
-        quantized = qwix.quantize_params(tree, self.model)
-        return jax.tree.map(np.asarray, _lookup(quantized, path))
+    def rearrange(*xs):
+        x = jnp.stack(xs) if stacked else xs[0]
+        return jnp.transpose(x.reshape(view), order).reshape(out_shape).astype(dtype)
+
+    return jax.jit(rearrange, out_shardings=sharding)
+
+
+def _put_rearranged(e: mapping.Entry, arrays: list[np.ndarray], lay: str, where, device, pdtype):
+    """``e``'s parameter placed on ``where`` (on the one ``device``) from its HF tensors as stored
+    (views of the mapped files): they go to the device as they are, and the device rearranges and
+    casts them (the host copies nothing; on a TPU its transposes cost next to nothing)."""
+    import jax
+
+    single = jax.sharding.SingleDeviceSharding(device)
+    view, order, out_shape = layout.steps(e.hf_stacked_layout, lay, e.sizes)
+    xs = [jax.device_put(a, single) for a in arrays]
+    sharding = single if isinstance(where, jax.Device) else where
+    return _rearranging(view, order, out_shape, np.dtype(pdtype).name, bool(e.rule.stack_axis), sharding)(*xs)
+
+
+def _place_parts(e: mapping.Entry, target: dict, held: tuple[np.ndarray, np.ndarray], device):
+    """A weight of a QLoRA base stored quantized, placed as the QLoRA model holds it: its values
+    and scales as stored (nothing computed on the host), each on its sharding."""
+    import jax
+
+    qvalue, scale = held
+    want = target["array"]
+    for name, value in (("qvalue", qvalue), ("scale", scale)):
+        if tuple(value.shape) != tuple(want[name].shape) or str(value.dtype) != str(want[name].dtype):
+            raise ConfigError(f"{e.tunix_name}: stored {name} {value.dtype} {tuple(value.shape)}, this run's QLoRA "
+                              f"model holds {want[name].dtype} {tuple(want[name].shape)}: the base was quantized "
+                              "with other settings or another Tunix version; quantize it again")
+    q = {"array": {"qvalue": qvalue, "scale": scale}}
+    placed = jax.tree.map(_put_packed, q, device) if isinstance(device, dict) else \
+        jax.tree.map(lambda x: _put_packed(x, device), q)
+    jax.block_until_ready(placed)
+    return placed
 
 
 def quantizes(lora_rules: list[dict] | None) -> bool:

@@ -206,3 +206,82 @@ def test_qlora_settings_and_bad_tiles(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 8 and last.startswith("training: error: base_quant_tile=7: does not divide"), last
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.pinned_only
+def test_a_qlora_base_stored_quantized(tmp_path):
+    """``convert HF --to tunix --quantize int4 --tile 4`` stores what training's loader computes: the
+    QLoRA model loaded from it holds the arrays quantized on the fly from the HF base, bit for bit.
+    Training takes it as --base (scheme and tile from its metadata, the HF base's digest recorded);
+    ``merge --as-trained`` into it writes the tensors of the merge into the HF base; ``inspect`` says
+    what it is; a setting that disagrees, LoRA targets that leave a quantized weight out, and a plain
+    conversion of it end in one line, nothing written."""
+    from flax import nnx
+
+    from conftest import run_cli
+    from safetensors.numpy import load_file
+
+    from ckptbridge import convert, qlora_base
+    from ckptbridge.metadata import KEY, Metadata
+    from ckptbridge.testing import build_checkpoint
+    from ckptbridge.tunix_model import open_tunix_model
+    from training.config import PAPER_TARGETS
+
+    base = build_checkpoint(str(tmp_path / "hf"), family="gemma4")
+    stored = str(tmp_path / "q")
+    proc = run_cli("convert", base, stored, "--to", "tunix", "--quantize", "int4", "--tile", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "QLoRA base:" in proc.stdout and "int4 (tile 4)" in proc.stdout
+
+    rules = [dict(qlora_base.rule(PAPER_TARGETS, "int4", 4), rank=4, alpha=8.0)]
+    states = []
+    for src in (base, stored):
+        with open_tunix_model(src, lora_rules=rules, param_dtype="float32") as plan:
+            states.append(nnx.to_flat_state(nnx.state(plan.load(), nnx.Param)))
+    quantized = 0
+    for (k1, v1), (k2, v2) in zip(*states, strict=True):
+        a, b = np.asarray(v1.get_value()), np.asarray(v2.get_value())
+        assert k1 == k2 and a.dtype == b.dtype and a.shape == b.shape, k1
+        assert np.array_equal(a.astype(np.float32), b.astype(np.float32)), k1
+        quantized += "qvalue" in map(str, k1)
+    assert quantized == 6 * 6  # q, kv (k on the k_eq_v layer), output, gate, up, down of the 6 layers
+
+    info = run_cli("inspect", stored)
+    assert "QLoRA base:" in info.stdout and "int4 arrays in tiles of 4" in info.stdout, info.stdout
+
+    run = str(tmp_path / "run")
+    _train(stored, run, "none")  # base_quant and its tile read from the base
+    ckpts = os.path.join(run, "checkpoints")
+    with open(os.path.join(ckpts, "2", "_CHECKPOINT_METADATA")) as f:
+        meta = Metadata.from_json(json.load(f)["custom_metadata"][KEY])
+    with open(os.path.join(stored, "_CHECKPOINT_METADATA")) as f:
+        held = Metadata.from_json(json.load(f)["custom_metadata"][KEY]).base_quant
+    assert meta.base_quant["scheme"] == "int4" and meta.base_quant["tile"] == 4
+    assert meta.base_quant["base_digest"] == held["base_digest"] and len(held["base_digest"]) == 32
+
+    from_hf, from_stored = str(tmp_path / "m-hf"), str(tmp_path / "m-q")
+    for src, dst in ((base, from_hf), (stored, from_stored)):
+        proc = run_cli("merge", src, ckpts, dst, "--as-trained", "--quiet")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (from_hf, from_stored))
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+    dst = str(tmp_path / "refused")
+    for args, code, words in (
+            (("convert", stored, dst, "--to", "hf"), 5, "a QLoRA base"),
+            (("merge", stored, ckpts, dst), 5, "--as-trained"),
+            (("convert", base, dst, "--to", "tunix", "--quantize", "fp8"), 8, "qwix's types"),
+            (("convert", base, dst, "--to", "tunix", "--tile", "4"), 8, "give the scheme")):
+        proc = run_cli(*args)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == code and words in last and len(proc.stderr.strip().splitlines()) == 1, last
+        assert not os.path.exists(dst)
+    for setting, words in (("base_quant=int8", "base_quant=int8: "), ("targets=q_einsum", "targets: ")):
+        out = tmp_path / "refused-run"
+        proc = subprocess.run([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--base", stored, "--data",
+                               SAMPLE, "--out", str(out), setting], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 8 and words in last, last
+        assert not out.exists()

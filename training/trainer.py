@@ -94,6 +94,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
     compiles.watch()
     run = Run(out)
     base_info = open_base(base)
+    cfg = with_base_quant(cfg, base, base_info.spec.lora_targets)
     check_config(base_info.cfg, cfg.allow_config_mismatch, warn=False)  # before anything is written
     check_tile(cfg, base_info.cfg)
     lora_rules = cfg.lora_rules(base_info.spec.lora_targets)
@@ -115,7 +116,7 @@ def train(cfg: TrainConfig, *, base: str, data_path: str, out: str, progress: bo
 
     # data
     t_data = time.perf_counter()
-    encoded = data_lib.encoded_data(base, data_path, cfg.max_length, run.encoded_data)
+    encoded = data_lib.encoded_data(model_files(base), data_path, cfg.max_length, run.encoded_data)
     if not encoded.examples:
         from ckptbridge.errors import ConfigError
 
@@ -357,13 +358,65 @@ def _memory_line(memory: dict) -> str:
             f"{gb(grad.get('temp'))})" + (f" of {gb(limit)}" if limit else ""))
 
 
+def prequantized(base: str) -> dict | None:
+    """The ``base_quant`` record of a QLoRA base stored quantized (``ckptbridge convert HF DST --to
+    tunix --quantize``), None for any other base."""
+    from ckptbridge.formats.hf import is_hf_directory
+
+    if is_hf_directory(base) or not os.path.isdir(base):
+        return None
+    from ckptbridge.errors import CkptBridgeError
+    from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
+
+    try:
+        with OrbaxCheckpoint(resolve_checkpoint(base, None)) as ckpt:
+            meta = ckpt.metadata
+    except CkptBridgeError:
+        return None
+    return meta.base_quant if meta.kind == "weights" and meta.base_quant else None
+
+
+def with_base_quant(cfg: TrainConfig, base: str, family_targets: tuple[str, ...]) -> TrainConfig:
+    """``cfg`` on ``base``: on a QLoRA base stored quantized, its scheme and tile (a setting that
+    disagrees, or LoRA targets that leave a quantized weight out, refused in one line)."""
+    held = prequantized(base)
+    if held is None:
+        return cfg
+    from ckptbridge.errors import ConfigError
+    from ckptbridge.qlora_base import check_settings
+
+    scheme, tile = check_settings(held, base, cfg.base_quant, cfg.base_quant_tile, cfg.param_dtype)
+    left_out = [t for t in held.get("targets") or () if t not in (cfg.targets or family_targets)]
+    if left_out:
+        raise ConfigError(f"targets: {base} holds the weights of {', '.join(left_out)} quantized; train with targets "
+                          "that include them (default: every LoRA target of the family), or on the HF model")
+    log.info("base: a QLoRA base stored as qwix's %s arrays%s (base_quant read from it)", scheme,
+             f" in tiles of {tile}" if tile else "")
+    return dataclasses.replace(cfg, base_quant=scheme, base_quant_tile=tile)
+
+
+def model_files(base: str) -> str:
+    """Where ``base``'s tokenizer and other non-weight files are: the HF directory itself, or an
+    Orbax checkpoint's stored copy of them."""
+    from ckptbridge.formats.hf import is_hf_directory
+
+    if is_hf_directory(base):
+        return base
+    from ckptbridge.formats.tunix import stored_assets
+    from ckptbridge.io.orbax import resolve_checkpoint
+
+    found = stored_assets(resolve_checkpoint(base, None))
+    return found[1] if found else base
+
+
 def _base_digest(base: str) -> str | None:
-    """:func:`ckptbridge.merge.base_digest` of an HF base (None for an Orbax one)."""
+    """:func:`ckptbridge.merge.base_digest` of an HF base, the recorded one of the HF base a QLoRA
+    base stored quantized was made from (None for another Orbax base)."""
     from ckptbridge.formats.hf import is_hf_directory, open_hf_source
     from ckptbridge.merge import base_digest
 
     if not is_hf_directory(base):
-        return None
+        return (prequantized(base) or {}).get("base_digest")
     with open_hf_source(base, skip_multimodal=True) as rows:
         return base_digest(rows)
 
@@ -385,6 +438,7 @@ def dry_run(cfg: TrainConfig, *, base: str, topology: str | None = None) -> dict
     if cfg.compile_cache not in ("", "off"):  # a shared cache (compile_cache=DIR): what a run compiled is loaded
         compiles.use_cache(cfg.compile_cache)
     info = open_base(base)
+    cfg = with_base_quant(cfg, base, info.spec.lora_targets)
     check_config(info.cfg, cfg.allow_config_mismatch, warn=False)
     check_tile(cfg, info.cfg)
     devices = topology_devices(topology) if topology else jax.devices()

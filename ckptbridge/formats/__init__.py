@@ -127,10 +127,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("max_shard_size", "largest safetensors shard (units B, KB, MB, GB, KiB, MiB, GiB)", "size",
            options.DEFAULT_MAX_SHARD_SIZE,
            metavar="SIZE"),
-    Option("quantize", "int8: W8A8 (int8 weights, one scale per output channel, int8 activations per token at run "
-           "time: vLLM on x86 CPUs, TPUs, GPUs); fp8: FP8_DYNAMIC (float8 e4m3 weights: Hopper/Ada GPUs). "
-           "compressed-tensors, as llm-compressor writes it; the decoder's linear projections only",
-           choices=SCHEMES),
+    Option("quantize", "HF and compressed-tensors: int8: W8A8 (int8 weights, one scale per output channel, int8 "
+           "activations per token at run time: vLLM on x86 CPUs, TPUs, GPUs); fp8: FP8_DYNAMIC (float8 e4m3 "
+           "weights: Hopper/Ada GPUs), as llm-compressor writes it, the decoder's linear projections only. Tunix: "
+           "int8, int4 or nf4: a QLoRA base, every LoRA target's weight stored as qwix's quantized arrays (what "
+           "training with base_quant computes as it loads), for `python -m training --base`",
+           choices=tuple(dict.fromkeys((*SCHEMES, *options.QLORA_SCHEMES)))),
+    Option("tile", "with --to tunix --quantize: qwix's sub-channel tiles of this many inputs (training's "
+           "base_quant_tile; default: one scale per output channel)", "int", metavar="N"),
     Option("base_id", "the base's Hub id for the model card or adapter config (default: found from a Hub cache "
            "path or the base's config.json)", metavar="ORG/NAME"),
     Option("tunix_version", "write the parameter layouts of this google-tunix version (default: the installed "
@@ -180,8 +184,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            write_options=("max_shard_size", "quantize", "base_id"), towers="keep",
            bound="the decoder's projections are quantized (one scale per output channel)"),
     Format("tunix", MODEL, "Orbax checkpoint of the Tunix parameters (Flax NNX)", "ckptbridge.formats.tunix",
-           read_options=("config", "step", "skip_multimodal"), write_options=("tunix_version", "compression"),
-           orbax=True, towers="keep"),
+           read_options=("config", "step", "skip_multimodal"),
+           write_options=("tunix_version", "compression", "quantize", "tile"), orbax=True, towers="keep"),
     Format("maxtext", MODEL, "MaxText checkpoint (Orbax; scanned or not)", "ckptbridge.formats.maxtext.model",
            read_options=("config", "step", "skip_multimodal"), write_options=("scan_layers", "vocab_size",
                                                                                 "compression"),

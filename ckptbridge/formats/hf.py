@@ -162,7 +162,7 @@ class HFSource(ModelRows):
                 continue
             dtype, shape = self.key_info(key)
             if key not in computed:
-                tensors.append(HFTensor(key, dtype, shape, 0, functools.partial(self._byte_range, key)))
+                tensors.append(HFTensor(key, dtype, shape, 0, functools.partial(self.byte_range, key)))
                 continue
             out_dim, in_dim = matrix_rows(shape), shape[-1]
             rows = max(1, chunk_bytes // (4 * in_dim))
@@ -178,7 +178,7 @@ class HFSource(ModelRows):
         shape = self.key_info(key)[1]
         return [(key, start, rows.reshape(shape) if start == 0 and stop >= matrix_rows(shape) else rows)]
 
-    def _byte_range(self, key: str):
+    def byte_range(self, key: str):
         return self.model.file_of(key).byte_range(key)
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from ckptbridge.io.files import close_on_error
 from ckptbridge.io.hf import copy_assets
 from ckptbridge.metadata import Metadata, installed_tunix_version
 from ckptbridge.progress import progress_over
+from ckptbridge.qlora_base import QVALUE, SCALE
 from ckptbridge.rows import (
     ASSETS_DIR,
     HELD_PER_BYTE,
@@ -80,6 +81,10 @@ class TunixSource(ModelRows):
         self.tower_spelling = dict(spelling or {})
         self.towers_dropped = ckpt.metadata.towers_dropped or 0
         self._stored = {e.ident: e for e in [*entries, *self.tower_entries]}
+        # a QLoRA base (ckptbridge.qlora_base): the weights stored as qwix's arrays, read dequantized
+        self.quantized = {e.ident for e in entries if e.tunix_path + QVALUE + suffix in ckpt.leaves}
+        self.base_quant = (ckpt.metadata.base_quant or {}) if self.quantized else None
+        self._scheme = str((self.base_quant or {}).get("scheme"))
 
     def stored(self, entry: mapping.Entry) -> mapping.Entry:
         """The entry of ``entry``'s row and layer in the layout its leaf is stored in."""
@@ -89,10 +94,32 @@ class TunixSource(ModelRows):
         return self.stored(entry).tunix_path + self.suffix
 
     def dtype(self, entry: mapping.Entry) -> np.dtype:
+        if entry.ident in self.quantized:
+            return np.dtype(self.ckpt.leaves[self._part_path(entry, SCALE)][1])
         return self.ckpt.leaves[self.path_of(entry)][1]
 
+    def _part_path(self, entry: mapping.Entry, part: tuple[str, ...]) -> tuple[str, ...]:
+        return self.stored(entry).tunix_path + part + self.suffix
+
+    def quantized_parts(self, entry: mapping.Entry) -> tuple[np.ndarray, np.ndarray] | None:
+        """A QLoRA base's quantized values (in qwix's dtype) and scales of ``entry``'s weight, as
+        stored; None for a weight stored as it is."""
+        if entry.ident not in self.quantized:
+            return None
+        from ckptbridge import qlora_base
+
+        q, s = self._part_path(entry, QVALUE), self._part_path(entry, SCALE)
+        read = self.ckpt.read([q, s])
+        return qlora_base.restored(read[q], self._scheme), read[s]
+
     def leaf(self, entry: mapping.Entry) -> np.ndarray:
-        """The stored leaf of ``entry``'s row (its stored layout)."""
+        """The stored leaf of ``entry``'s row (its stored layout; a quantized weight dequantized
+        by qwix)."""
+        parts = self.quantized_parts(entry)
+        if parts is not None:
+            from ckptbridge import qlora_base
+
+            return qlora_base.dequantize(*parts, self._scheme)
         p = self.path_of(entry)
         return self.ckpt.read([p])[p]
 
@@ -109,6 +136,8 @@ class TunixSource(ModelRows):
         return mapping.tunix_to_hf(stored, self.leaf(stored))
 
     def nbytes(self, entry: mapping.Entry) -> int:
+        if entry.ident in self.quantized:
+            return int(np.prod(entry.tunix_shape, dtype=np.int64)) * self.dtype(entry).itemsize
         shape, dtype = self.ckpt.leaves[self.path_of(entry)]
         return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
@@ -116,6 +145,8 @@ class TunixSource(ModelRows):
         """Ranges of ``blocks.axis`` to read ``blocks.entry`` in, each whole stored chunks along the
         Tunix dimension it cuts and at most ``max_bytes`` where the chunks allow; None when the
         leaf can only be read whole."""
+        if blocks.entry.ident in self.quantized:
+            return None  # dequantized whole
         stored = mapping.blocks(self.stored(blocks.entry))
         chunks = self.ckpt.chunks(self.path_of(blocks.entry))
         if chunks is None or stored is None or stored.axis != blocks.axis:
@@ -131,6 +162,8 @@ class TunixSource(ModelRows):
         return self.ckpt.start_read([p], blocks.tunix_region(i, j))()[p]
 
     def hf_rows(self, blocks: mapping.Blocks, i: int, j: int) -> np.ndarray | None:
+        if blocks.entry.ident in self.quantized:
+            return None
         stored = mapping.blocks(self.stored(blocks.entry))
         if stored is None or stored.axis != blocks.axis or self.ckpt.chunks(self.path_of(blocks.entry)) is None:
             return None
@@ -202,17 +235,31 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Tunix
         pass
     leaves = ckpt.leaves
     suffix = ckpt.value_suffix
-    ents = [_stored_layout(e, leaves.get(e.tunix_path + suffix)) for e in ents]
+    ents = [_stored_layout(e, leaves.get(e.tunix_path + suffix) or leaves.get(e.tunix_path + QVALUE + suffix))
+            for e in ents]
     towers, spelling = _stored_towers(path, cfg, spec, prefix, meta, leaves, suffix)
-    expected = {e.tunix_path + suffix: e for e in [*ents, *towers]}
+    expected: dict[tuple, mapping.Entry | None] = {e.tunix_path + suffix: e for e in [*ents, *towers]}
+    for e in ents:  # a QLoRA base's weights: qwix's quantized values (the weight's shape) and scales
+        if e.tunix_path + QVALUE + suffix in leaves:
+            del expected[e.tunix_path + suffix]
+            expected[e.tunix_path + QVALUE + suffix] = e
+            scale = e.tunix_path + SCALE + suffix
+            if scale not in leaves:
+                raise MismatchError(f"{path}: leaf {'/'.join(scale)} is missing: a quantized weight without its "
+                                    "scales (an incomplete checkpoint)")
+            if len(leaves[scale][0]) != len(e.tunix_shape):
+                raise MismatchError(f"{path}: leaf {'/'.join(scale)} has shape {leaves[scale][0]}, not the scales of "
+                                    f"a weight of shape {e.tunix_shape}")
+            expected[scale] = None
     if any(p[:3] == ("params", "params", "decoder") for p in leaves):  # MaxText's Linen tree
         raise MismatchError(f"{path}: is a MaxText checkpoint, not Tunix; use `ckptbridge convert "
                             "maxtext-to-safetensors`")
     missing = [p for p in expected if p not in leaves]
     if missing:
-        e = expected[missing[0]]
+        gone = expected[missing[0]]
         raise MismatchError(
-            f"{path}: leaf {'/'.join(missing[0])} is missing{layer_note(e)}{more(missing)}; the checkpoint does not "
+            f"{path}: leaf {'/'.join(missing[0])} is missing{layer_note(gone) if gone else ''}{more(missing)}; the "
+            "checkpoint does not "
             "match the config (wrong config (--config), or an incomplete checkpoint)"
         )
     extra = sorted(p for p in leaves if p not in expected)
@@ -221,11 +268,14 @@ def _validate_orbax(ckpt: orbax_io.OrbaxCheckpoint, config: str | None) -> Tunix
             f"{path}: unexpected leaf {'/'.join(extra[0])}{more(extra)}: not part of the {spec.name} "
             "text model that the config describes"
         )
-    for p, e in expected.items():
-        if leaves[p][0] != e.tunix_shape:
+    if any(x is None for x in expected.values()) and not (meta.base_quant or {}).get("scheme"):
+        raise MismatchError(f"{path}: holds quantized weights but its metadata records no base_quant (scheme); "
+                            "write it again with `ckptbridge convert ... --to tunix --quantize`")
+    for p, want in expected.items():
+        if want is not None and leaves[p][0] != want.tunix_shape:
             raise MismatchError(
                 f"{path}: leaf {'/'.join(p)} has shape {leaves[p][0]}, the config implies "
-                f"{e.tunix_shape}{layer_note(e)}; the checkpoint and the config disagree"
+                f"{want.tunix_shape}{layer_note(want)}; the checkpoint and the config disagree"
             )
     return TunixSource(ckpt, cfg, spec, prefix, ents, suffix, config_dir, towers, spelling)
 
@@ -277,7 +327,7 @@ def target_tunix_version(tunix_version: str | None) -> str | None:
 class ToTunixReport(ConversionReport):
     """A model written as an Orbax checkpoint of the Tunix state."""
 
-    OMIT_NONE = ("scan_layers", "adapters", "towers", "tower_notes")
+    OMIT_NONE = ("scan_layers", "adapters", "towers", "tower_notes", "base_quant")
 
     towers_dropped: int
     towers: dict | None
@@ -290,9 +340,15 @@ class ToTunixReport(ConversionReport):
     scan_layers: bool | None = None  # a MaxText source's layout
     adapters: list[str] | None = None  # merged on the way
     tower_notes: list[str] | None = None  # what Tunix's own loader does wrong with the towers written
+    base_quant: dict | None = None  # a QLoRA base: how its weights are quantized (ckptbridge.qlora_base)
 
     def summary(self) -> str:
         text = self._head(self.seconds) + towers_line(self.towers)
+        if self.base_quant:
+            q = self.base_quant
+            text += (f"\n  QLoRA base: {q['weights']} weights of {', '.join(q['targets'])} stored as qwix's "
+                     f"{q['scheme']}{' (tile ' + str(q['tile']) + ')' if q['tile'] else ''} arrays, "
+                     f"from {q['param_dtype']}")
         for note in self.tower_notes or ():
             text += f"\n  note: {note}"
         if self.towers_dropped:
@@ -335,17 +391,83 @@ def leaf(rows: ModelRows, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyAr
                               held=HELD_PER_BYTE)
 
 
+# What quantizing one weight holds at its peak, per byte of its quantized values: the weight read
+# (2 bytes a value in bfloat16), its float32 copy and qwix's float32 temporaries
+QUANTIZE_HELD = 12
+
+
+def _quantized_leaves(rows: ModelRows, ents: list[mapping.Entry], scheme: str, tile: int | None,
+                      target: str | None) -> tuple[dict, dict]:
+    """The leaves of a QLoRA base (``qlora_base``): for every weight the QLoRA model of the
+    family's LoRA targets holds quantized, qwix's arrays of it (computed once per weight, each
+    part a leaf), and the metadata's ``base_quant`` record."""
+    deps.require("verify")
+    from ckptbridge import qlora_base
+    from ckptbridge.deps import installed_version
+    from ckptbridge.merge import base_digest
+    from ckptbridge.stream import Shared
+    from ckptbridge.tunix_model import TunixModelPlan, _flat, _lookup, _real_path
+
+    if target != installed_tunix_version():
+        raise ConfigError(f"--quantize: the quantized layouts are the installed google-tunix's "
+                          f"({installed_tunix_version()}); drop --tunix-version {target}")
+    pdtype = np.dtype(rows.dtype(rows.entries[0]))
+    targets = rows.spec.lora_targets
+    plan = TunixModelPlan.of_config(rows.cfg, param_dtype=pdtype, allow_config_mismatch=True,
+                                    lora_rules=[qlora_base.rule(targets, scheme, tile)])
+    pure = plan.abstract_state.to_pure_dict()
+    quantize = qlora_base.Quantizer(plan.abstract_model())
+    out: dict = {}
+    for e in ents:
+        node = _lookup(pure, e.tunix_path) if not e.tower else None
+        if not isinstance(node, dict):
+            continue
+        parts = dict(_flat(node))
+        held = Shared(functools.partial(_quantize_one, rows, e, quantize, _real_path(pure, e.tunix_path),
+                                        parts[qlora_base.QVALUE].shape, pdtype), len(parts))
+        for sub, abstract in parts.items():
+            dtype = qlora_base.STORED.get(str(abstract.dtype), np.dtype(abstract.dtype))
+            out[e.tunix_path + sub] = orbax_io.LazyArray(
+                abstract.shape, dtype, produce=functools.partial(_part, held, sub),
+                held=QUANTIZE_HELD if sub == qlora_base.QVALUE else HELD_PER_BYTE)
+    record = {"scheme": scheme, "tile": tile, "param_dtype": pdtype.name, "qwix_version": installed_version("qwix"),
+              "base_digest": base_digest(rows), "targets": list(targets), "weights": len({p[:-2] for p in out})}
+    return out, record
+
+
+def _quantize_one(rows: ModelRows, e: mapping.Entry, quantize, real_path: tuple, shape: tuple, pdtype) -> dict:
+    from ckptbridge import layout
+    from ckptbridge.tunix_model import _flat
+
+    value = np.asarray(rows.tunix_value(e))
+    lay = mapping.layout_with_shape(e, tuple(shape))
+    if lay is not None and lay != e.tunix_layout:  # the installed Tunix lays it out otherwise
+        value = layout.rearrange(value, e.tunix_layout, lay, e.sizes)
+    return dict(_flat(quantize(e.tunix_path, real_path, value.astype(pdtype, copy=False))))
+
+
+def _part(held, sub: tuple[str, ...]) -> np.ndarray:
+    from ckptbridge import qlora_base
+
+    return qlora_base.stored(held.get()[sub])
+
+
 def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None = None,
-          compression: bool = True) -> ToTunixReport:
+          compression: bool = True, quantize: str | None = None, tile: int | None = None) -> ToTunixReport:
     """Write ``rows`` as an Orbax checkpoint of the Tunix state at ``dst``: the layouts of Tunix
     ``tunix_version`` (default: the installed google-tunix; without one, the layouts the specs
     were written against), recorded in the metadata with the HF config; the non-weight files under
-    ``hf_assets/``. ``compression=False`` stores the chunks without zstd (faster, larger)."""
+    ``hf_assets/``. ``compression=False`` stores the chunks without zstd (faster, larger).
+    ``quantize`` (``int8``, ``int4``, ``nf4``; ``tile``): a QLoRA base, the weights of the family's
+    LoRA targets stored as qwix's quantized arrays (:mod:`ckptbridge.qlora_base`)."""
     deps.require("orbax")
     target = target_tunix_version(tunix_version)
     mismatch = specs.note_mismatch(rows.cfg)
     ents = [*mapping.for_tunix_version(rows.entries, target), *rows.tower_entries]
-    flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in ents}
+    quantized, base_quant = _quantized_leaves(rows, ents, quantize, tile, target) if quantize else ({}, None)
+    done = {path[:-2] for path in quantized}
+    flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in ents if e.tunix_path not in done}
+    flat.update(quantized)
     notes = tower_notes(rows)
     bar = progress_over(flat.values(), req.desc, req.progress)
     total = bar.total
@@ -353,7 +475,7 @@ def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None 
     from ckptbridge.io.atomic import atomic_directory
 
     with atomic_directory(dst, req.overwrite) as tmp:
-        writer = orbax_io.save_tree(tmp, orbax_io.nest(flat), rows.metadata("weights", target),
+        writer = orbax_io.save_tree(tmp, orbax_io.nest(flat), rows.metadata("weights", target, base_quant=base_quant),
                                     compression=compression, engine=req.engine)
         if found:
             copy_assets(found[0], found[1], storage.join(tmp, ASSETS_DIR))
@@ -364,7 +486,7 @@ def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None 
         towers=tower_record(rows.tower_entries, rows.key_info) or None, tower_notes=notes or None,
         tunix_version=target, chunk_bytes=req.chunk_bytes, compression=compression, orbax_writer=writer,
         config_mismatch=mismatch, seconds=round(time.perf_counter() - req.t0, 3),
-        scan_layers=rows.scan_layers, adapters=list(req.adapters) or None)
+        scan_layers=rows.scan_layers, adapters=list(req.adapters) or None, base_quant=base_quant)
 
 
 __all__ = ["TunixSource", "ToTunixReport", "detect", "leaf", "open_orbax_source", "open_source", "stored_assets",

@@ -29,7 +29,7 @@ import numpy as np
 
 from ckptbridge.errors import CorruptFileError, InputNotFoundError, MismatchError
 from ckptbridge.io.atomic import atomic_directory, check_destination
-from ckptbridge.io.output import OutputFile
+from ckptbridge.io.output import FileRange, OutputFile
 from ckptbridge.io.safetensors import DTYPES
 
 MAGIC = b"GGUF"
@@ -159,13 +159,14 @@ def _padding(n: int, alignment: int) -> int:
 class PlannedTensor:
     """A tensor to write: its name, numpy shape (of the values, not of Q8_0's bytes), type, and
     a function that makes its stored form when its turn comes (:meth:`TensorType.storage`): the
-    whole array, or an iterable of its pieces in order (runs of its outermost rows, any shape),
+    whole array, or an iterable of its pieces in order (runs of its outermost rows, any shape, or
+    :class:`~ckptbridge.io.output.FileRange`\ s of another file's bytes, copied file to file),
     whose bytes together are the tensor's."""
 
     name: str
     shape: tuple[int, ...]
     type: TensorType
-    produce: Callable[[], np.ndarray | Iterable[np.ndarray]]
+    produce: Callable[[], np.ndarray | Iterable[np.ndarray | FileRange]]
 
     @property
     def nbytes(self) -> int:
@@ -251,6 +252,10 @@ def _write_tensor(f: OutputFile, t: PlannedTensor, alignment: int) -> None:
         data = [data]
     written = 0
     for piece in data:
+        if isinstance(piece, FileRange):  # stored bytes, copied file to file
+            f.copy(piece)
+            written += piece.nbytes
+            continue
         if piece.dtype != want_dtype:
             raise MismatchError(f"{t.name}: produced a piece of {piece.dtype}, a {t.type.name} tensor is stored as "
                                 f"{want_dtype}")

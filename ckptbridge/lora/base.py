@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from ckptbridge.config import ModelConfig, read_config_file
-from ckptbridge.errors import InputNotFoundError
+from ckptbridge.errors import CkptBridgeError, InputNotFoundError
 from ckptbridge.formats.hf import find_prefix, open_hf_source
 from ckptbridge.io.hf import INDEX_NAME, read_index
 from ckptbridge.lora.modules import LoraModule, lora_modules
@@ -62,10 +62,15 @@ class Base:
 
 
 def open_base(path: str) -> Base:
-    """Read BASE's config and key prefix; shapes come from the config, weights are not read."""
+    """Read BASE's config and key prefix; shapes come from the config, weights are not read. BASE
+    is an HF model directory, or an Orbax checkpoint ckptbridge wrote (its metadata carries both)."""
     if not os.path.isdir(path):
         raise InputNotFoundError(f"{path}: base (--base) must be the HF base model directory (with config.json)")
     config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        found = _orbax_base(path)
+        if found is not None:
+            return found
     hf_config = read_config_file(config_path)
     spec = family_for(hf_config, config_path)
     cfg = spec.parse_config(hf_config, config_path)
@@ -75,6 +80,26 @@ def open_base(path: str) -> Base:
             prefix = source.prefix
     elif os.path.isfile(os.path.join(path, INDEX_NAME)):  # config and index only (a Hub base whose weights stay there)
         prefix = find_prefix(spec, list(read_index(os.path.join(path, INDEX_NAME)))) or prefix
+    return make_base(path, cfg, spec, prefix)
+
+
+def _orbax_base(path: str) -> Base | None:
+    """The base of a ckptbridge Orbax weights checkpoint (a Tunix base, a pre-quantized QLoRA
+    base), from its metadata; None when ``path`` is no such checkpoint."""
+    from ckptbridge.io.orbax import OrbaxCheckpoint, resolve_checkpoint
+
+    try:
+        item = resolve_checkpoint(path, None)
+    except CkptBridgeError:  # not an Orbax checkpoint: the caller names the config.json it lacks
+        return None
+    with OrbaxCheckpoint(item) as ckpt:
+        meta = ckpt.metadata
+    if meta.kind != "weights" or meta.hf_config is None:
+        return None
+    where = f"{item} (ckptbridge metadata)"
+    spec = family_for(meta.hf_config, where)
+    cfg = spec.parse_config(meta.hf_config, where)
+    prefix = meta.key_prefix if meta.key_prefix in spec.key_prefixes else cfg.default_key_prefix
     return make_base(path, cfg, spec, prefix)
 
 

@@ -42,7 +42,7 @@ from ckptbridge.specs.ggml import (
     interleaved_rope_rows,
     text_config,
 )
-from ckptbridge.stream import Engine, Parts
+from ckptbridge.stream import Engine, Parts, Stream
 
 NAME = "gguf"
 OUTTYPES = {  # --outtype -> (stored type of the weights, general.file_type as ggml's converter writes it)
@@ -243,6 +243,14 @@ class Planned:
     tensors: list[_Tensor]
     parts: Parts
     counts: dict[str, int]
+    stream: Stream | None = None
+    stored: dict[str, list] = dataclasses.field(default_factory=dict)  # copied as stored: name -> FileRanges
+
+    def produce(self, t: _Tensor) -> Callable:
+        """What makes the stored form of ``t``: its pieces from the workers, or its stored bytes."""
+        if t.name in self.stored:
+            return functools.partial(_copied, self.stream, self.stored[t.name])
+        return functools.partial(self.parts.take_many, t.name, self.counts[t.name])
 
     def extra(self) -> list[tuple[str, np.ndarray]]:
         """Tensors ggml's converter computes and writes first (``rope_freqs``)."""
@@ -260,12 +268,35 @@ def _rows_job(rows: ModelRows, t: _Tensor, key: str, start: int, stop: int) -> l
     return [(t.name, _finish(t, values, values.dtype))]
 
 
-def _row_jobs(rows: ModelRows, tensors: list[_Tensor], block_bytes: int) -> tuple[Iterator, dict[str, int]]:
+def _copied(stream: Stream | None, ranges: list) -> Iterator:
+    """The stored bytes of a tensor written as they are, copied file to file while the workers
+    make the next computed pieces."""
+    if stream is not None:
+        stream.prefetch()
+    yield from ranges
+
+
+def _stored_ranges(rows: ModelRows, t: _Tensor) -> list | None:
+    """The source's stored bytes of ``t``, where they are its GGUF bytes as they are (a float type
+    the source has, values unchanged), else None."""
+    if t.whole or t.type is gguf.TensorType.Q8_0:
+        return None
+    want = t.type.storage(t.shape)[0]
+    if any(np.dtype(rows.key_info(k)[0]) != want for k in t.keys):
+        return None
+    ranges = [rows.byte_range(k) for k in t.keys]
+    return ranges if all(r is not None for r in ranges) else None
+
+
+def _row_jobs(rows: ModelRows, tensors: list[_Tensor], block_bytes: int,
+              stored: dict[str, list]) -> tuple[Iterator, dict[str, int]]:
     """Jobs tensor by tensor, a block of rows of at most ``block_bytes`` float32 at a time (a
-    tensor whose values change as a whole, in one job)."""
+    tensor whose values change as a whole, in one job; none for one copied as ``stored``)."""
     counts: dict[str, int] = {}
     jobs: list[Iterator] = []
     for t in tensors:
+        if t.name in stored:
+            continue
         if t.whole:
             counts[t.name] = 1
             jobs.append(iter([(4 * math.prod(t.shape), functools.partial(_whole_job, rows, t))]))
@@ -288,6 +319,18 @@ def _plan_job(make: Callable[[], list], by_key: dict[str, _Tensor]) -> list:
     return out
 
 
+def _work_per_byte(t: _Tensor, src: np.dtype) -> float:
+    """What finishing rows of ``t`` holds beside the rows read, per byte of them: their stored form
+    (none where it is the rows themselves), and a float32 copy where the type changes through one
+    (Q8_0 quantizes through small buffers of its own)."""
+    want = t.type.storage(t.shape)[0]
+    if t.type is not gguf.TensorType.Q8_0 and want == src:
+        return 0.0
+    values, size = t.type.block
+    through = 4 if t.type not in (gguf.TensorType.Q8_0, gguf.TensorType.F32) else 0
+    return (size / values + through) / src.itemsize
+
+
 def _plan_jobs(rows: ModelRows, tensors: list[_Tensor],
                block_bytes: int) -> tuple[list[_Tensor], Iterator, dict[str, int]]:
     """``tensors`` in the order of the source's own HF plan of the text model, and its jobs (a row
@@ -297,24 +340,32 @@ def _plan_jobs(rows: ModelRows, tensors: list[_Tensor],
     hf = rows.hf_plan(block_bytes // 2, computed=by_key, towers=False)
     parts = {t.key: t.parts for t in hf.tensors}
     order = {t.key: n for n, t in enumerate(hf.tensors)}
-    jobs = ((cost + 3 * cost // HELD_PER_BYTE, functools.partial(_plan_job, make, by_key)) for cost, make in hf.jobs)
+    src = np.dtype(rows.dtype(rows.entries[0]))
+    extra = max((_work_per_byte(t, src) for t in tensors if len(t.shape) > 1), default=0.0)
+    jobs = ((cost + int(cost // HELD_PER_BYTE * extra), functools.partial(_plan_job, make, by_key))
+            for cost, make in hf.jobs)
     return (sorted(tensors, key=lambda t: order[t.keys[0]]), jobs,
             {t.name: sum(parts[k] for k in t.keys) for t in tensors})
 
 
 def plan(rows: ModelRows, type_of: Callable[[str, tuple[int, ...]], gguf.TensorType], engine: Engine,
-         block_bytes: int) -> Planned:
+         block_bytes: int, copy_stored: bool = False) -> Planned:
     """Plan ``rows`` as GGUF tensors (each stored as ``type_of(name, shape)`` says), in ggml's
-    converter's order where the source says where its tensors lie, and start making them."""
+    converter's order where the source says where its tensors lie, and start making them; with
+    ``copy_stored``, a tensor whose source bytes are its GGUF bytes is copied file to file."""
     spec_gguf, h = _family(rows.cfg, rows.path)
     tensors = _plan(rows.cfg, spec_gguf, rows.entries, type_of, h)
+    stored: dict[str, list] = {}
     if rows.row_addressable:
         if tensors and rows.position(tensors[0].keys[0]) is not None:
             tensors = converter_order(tensors, rows.position)  # type: ignore[arg-type]
-        jobs, counts = _row_jobs(rows, tensors, block_bytes)
+        if copy_stored:
+            stored = {t.name: r for t in tensors if (r := _stored_ranges(rows, t)) is not None}
+        jobs, counts = _row_jobs(rows, tensors, block_bytes, stored)
     else:
         tensors, jobs, counts = _plan_jobs(rows, tensors, block_bytes)
-    return Planned(rows, spec_gguf, h, tensors, Parts(engine.stream(jobs)), counts)
+    stream = engine.stream(jobs)
+    return Planned(rows, spec_gguf, h, tensors, Parts(stream), counts, stream, stored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +456,7 @@ def write(rows: ModelRows, dst: str, req: Request, *, outtype: str = "bf16", tok
         processor = projector.processor_config(assets_dir, req.source)
     elif mmproj:
         raise ConfigError(f"--mmproj {mmproj}: {req.source} has no vision or audio tower to write there")
-    p = plan(rows, lambda n, shape: stored_type(n, shape, wanted), req.engine, block_bytes)
+    p = plan(rows, lambda n, shape: stored_type(n, shape, wanted), req.engine, block_bytes, copy_stored=True)
     tok: list = []
     if tokenizer:
         if assets_dir is None or storage.is_remote(assets_dir):
@@ -418,8 +469,7 @@ def write(rows: ModelRows, dst: str, req: Request, *, outtype: str = "bf16", tok
     planned = [gguf.PlannedTensor(n, v.shape, gguf.TensorType.F32, functools.partial(lambda v: v, v))
                for n, v in p.extra()]
     for t in p.tensors:
-        planned.append(gguf.PlannedTensor(t.name, t.shape, t.type,
-                                          functools.partial(p.parts.take_many, t.name, p.counts[t.name])))
+        planned.append(gguf.PlannedTensor(t.name, t.shape, t.type, p.produce(t)))
     model_name = name or title(os.path.basename(os.path.normpath(req.source)))
     sampling = sampling_metadata(assets_dir)
     metadata = _metadata(p.spec_gguf, p.h, rows.cfg.num_layers, model_name, size_label(planned), file_type, tok,
