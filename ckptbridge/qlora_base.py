@@ -13,6 +13,7 @@ dequantized by qwix, which is the model the run trained against.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -63,20 +64,34 @@ class Quantizer:
         self.model = abstract_model
         self.cpu = jax.local_devices(backend="cpu")[0]
 
-    def __call__(self, path: tuple[str, ...], real_path: tuple, value: np.ndarray) -> dict:
-        import jax
+    def _quantized(self, real_path: tuple, value):
         import qwix
 
         tree: dict = {}
         node = tree
         for k in real_path[:-1]:
             node = node.setdefault(k, {})
-        node[real_path[-1]] = jax.device_put(value, self.cpu)
-        quantized = qwix.quantize_params(tree, self.model)
-        found = quantized
+        node[real_path[-1]] = value
+        found = qwix.quantize_params(tree, self.model)
         for k in real_path:
             found = found[k]
-        return jax.tree.map(np.asarray, found)
+        return found
+
+    def __call__(self, path: tuple[str, ...], real_path: tuple, value: np.ndarray) -> dict:
+        import jax
+
+        out = jax.tree.map(np.asarray, self._quantized(real_path, jax.device_put(value, self.cpu)))
+        # qwix's intermediates hold their buffers in reference cycles: freed now, not at the next
+        # full collection (a 4-layer 31B base grew by 0.8 GB between collections)
+        gc.collect()
+        return out
+
+    def produces(self, real_path: tuple, shape: tuple, dtype) -> dict:
+        """The parts' shapes and dtypes that quantizing a ``dtype`` weight gives (the scale takes
+        the weight's dtype, whatever the abstract model says), computed without any data."""
+        import jax
+
+        return jax.eval_shape(lambda v: self._quantized(real_path, v), jax.ShapeDtypeStruct(tuple(shape), dtype))
 
 
 def dequantize(qvalue: np.ndarray, scale: np.ndarray, scheme: str) -> np.ndarray:

@@ -330,7 +330,9 @@ class TunixModelPlan:
                     raise ConfigError(f"{self.src}: {e.tunix_name} is stored quantized, but this run's LoRA rules "
                                       "hold it as it is: train with targets that cover every quantized module "
                                       f"({', '.join(getattr(source, 'base_quant', {}).get('targets') or [])})")
-                return _place_parts(e, target, held, _lookup(shardings, e.tunix_path) if shardings is not None
+                assert quantize is not None
+                want = quantize.produces(_real_path(pure, e.tunix_path), target["array"]["qvalue"].shape, pdtype)
+                return _place_parts(e, want, held, _lookup(shardings, e.tunix_path) if shardings is not None
                                     else default_device)
             if parts:
                 target = target["array"]["qvalue"]
@@ -464,7 +466,8 @@ def _put_rearranged(e: mapping.Entry, arrays: list[np.ndarray], lay: str, where,
 
 def _place_parts(e: mapping.Entry, target: dict, held: tuple[np.ndarray, np.ndarray], device):
     """A weight of a QLoRA base stored quantized, placed as the QLoRA model holds it: its values
-    and scales as stored (nothing computed on the host), each on its sharding."""
+    and scales as stored (nothing computed on the host), each on its sharding. ``target``: the
+    parts' shapes and dtypes that quantizing the weight in this run would give."""
     import jax
 
     qvalue, scale = held

@@ -217,27 +217,28 @@ def test_a_qlora_base_stored_quantized(tmp_path):
     ``merge --as-trained`` into it writes the tensors of the merge into the HF base; ``inspect`` says
     what it is; a setting that disagrees, LoRA targets that leave a quantized weight out, and a plain
     conversion of it end in one line, nothing written."""
-    from flax import nnx
-
     from conftest import run_cli
+    from flax import nnx
     from safetensors.numpy import load_file
 
-    from ckptbridge import convert, qlora_base
+    from ckptbridge import qlora_base
     from ckptbridge.metadata import KEY, Metadata
     from ckptbridge.testing import build_checkpoint
     from ckptbridge.tunix_model import open_tunix_model
     from training.config import PAPER_TARGETS
 
-    base = build_checkpoint(str(tmp_path / "hf"), family="gemma4")
+    # bfloat16 as real bases are (qwix's scales then are too); small chunks: values in row blocks
+    base = build_checkpoint(str(tmp_path / "hf"), family="gemma4", dtype="bfloat16")
     stored = str(tmp_path / "q")
-    proc = run_cli("convert", base, stored, "--to", "tunix", "--quantize", "int4", "--tile", "4")
+    proc = run_cli("convert", base, stored, "--to", "tunix", "--quantize", "int4", "--tile", "4",
+                   "--chunk-size", "1KiB")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "QLoRA base:" in proc.stdout and "int4 (tile 4)" in proc.stdout
 
     rules = [dict(qlora_base.rule(PAPER_TARGETS, "int4", 4), rank=4, alpha=8.0)]
     states = []
     for src in (base, stored):
-        with open_tunix_model(src, lora_rules=rules, param_dtype="float32") as plan:
+        with open_tunix_model(src, lora_rules=rules, param_dtype="bfloat16") as plan:
             states.append(nnx.to_flat_state(nnx.state(plan.load(), nnx.Param)))
     quantized = 0
     for (k1, v1), (k2, v2) in zip(*states, strict=True):
@@ -251,7 +252,7 @@ def test_a_qlora_base_stored_quantized(tmp_path):
     assert "QLoRA base:" in info.stdout and "int4 arrays in tiles of 4" in info.stdout, info.stdout
 
     run = str(tmp_path / "run")
-    _train(stored, run, "none")  # base_quant and its tile read from the base
+    _train(stored, run, "none", "param_dtype=bfloat16")  # base_quant and its tile read from the base
     ckpts = os.path.join(run, "checkpoints")
     with open(os.path.join(ckpts, "2", "_CHECKPOINT_METADATA")) as f:
         meta = Metadata.from_json(json.load(f)["custom_metadata"][KEY])
@@ -277,10 +278,12 @@ def test_a_qlora_base_stored_quantized(tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == code and words in last and len(proc.stderr.strip().splitlines()) == 1, last
         assert not os.path.exists(dst)
-    for setting, words in (("base_quant=int8", "base_quant=int8: "), ("targets=q_einsum", "targets: ")):
+    for settings, words in ((("base_quant=int8", "param_dtype=bfloat16"), "base_quant=int8: "),
+                            (("targets=q_einsum", "param_dtype=bfloat16"), "targets: "),
+                            ((), "param_dtype=float32: ")):
         out = tmp_path / "refused-run"
         proc = subprocess.run([sys.executable, "-m", "training", "--preset", "tiny-cpu", "--base", stored, "--data",
-                               SAMPLE, "--out", str(out), setting], capture_output=True, text=True, timeout=300,
+                               SAMPLE, "--out", str(out), *settings], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 8 and words in last, last

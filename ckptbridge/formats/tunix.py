@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import time
 
 import numpy as np
@@ -397,7 +398,7 @@ QUANTIZE_HELD = 12
 
 
 def _quantized_leaves(rows: ModelRows, ents: list[mapping.Entry], scheme: str, tile: int | None,
-                      target: str | None) -> tuple[dict, dict]:
+                      target: str | None, chunk_bytes: int) -> tuple[dict, dict]:
     """The leaves of a QLoRA base (``qlora_base``): for every weight the QLoRA model of the
     family's LoRA targets holds quantized, qwix's arrays of it (computed once per weight, each
     part a leaf), and the metadata's ``base_quant`` record."""
@@ -405,7 +406,6 @@ def _quantized_leaves(rows: ModelRows, ents: list[mapping.Entry], scheme: str, t
     from ckptbridge import qlora_base
     from ckptbridge.deps import installed_version
     from ckptbridge.merge import base_digest
-    from ckptbridge.stream import Shared
     from ckptbridge.tunix_model import TunixModelPlan, _flat, _lookup, _real_path
 
     if target != installed_tunix_version():
@@ -422,13 +422,27 @@ def _quantized_leaves(rows: ModelRows, ents: list[mapping.Entry], scheme: str, t
         node = _lookup(pure, e.tunix_path) if not e.tower else None
         if not isinstance(node, dict):
             continue
-        parts = dict(_flat(node))
-        held = Shared(functools.partial(_quantize_one, rows, e, quantize, _real_path(pure, e.tunix_path),
-                                        parts[qlora_base.QVALUE].shape, pdtype), len(parts))
+        real_path = _real_path(pure, e.tunix_path)
+        shape = dict(_flat(node))[qlora_base.QVALUE].shape
+        parts = dict(_flat(quantize.produces(real_path, shape, pdtype)))  # the scale in the weights' dtype
+        qvalue = parts[qlora_base.QVALUE]
+        per = max(1, chunk_bytes // max(1, math.prod(qvalue.shape[1:]))) if qvalue.shape else 1
+        blocks = [(i, min(i + per, qvalue.shape[0])) for i in range(0, qvalue.shape[0], per)] if qvalue.shape else []
+        held = _Quantized(functools.partial(_quantize_one, rows, e, quantize, real_path, shape, pdtype),
+                          {sub: (max(1, len(blocks)) if sub == qlora_base.QVALUE else 1) for sub in parts})
         for sub, abstract in parts.items():
             dtype = qlora_base.STORED.get(str(abstract.dtype), np.dtype(abstract.dtype))
+            if sub == qlora_base.QVALUE and len(blocks) > 1:
+                # in row blocks of about a chunk, each an Orbax chunk of its own (as every large
+                # leaf is written): the first holds the quantization of the whole weight
+                pieces = [((slice(i, j),) + (slice(None),) * (len(abstract.shape) - 1),
+                           functools.partial(_part, held, sub, slice(i, j))) for i, j in blocks]
+                out[e.tunix_path + sub] = orbax_io.LazyArray(
+                    abstract.shape, dtype, chunks=(per,) + tuple(abstract.shape[1:]), pieces=pieces,
+                    held=HELD_PER_BYTE, first_held=QUANTIZE_HELD * math.prod(abstract.shape) * dtype.itemsize)
+                continue
             out[e.tunix_path + sub] = orbax_io.LazyArray(
-                abstract.shape, dtype, produce=functools.partial(_part, held, sub),
+                abstract.shape, dtype, produce=functools.partial(_part, held, sub, slice(None)),
                 held=QUANTIZE_HELD if sub == qlora_base.QVALUE else HELD_PER_BYTE)
     record = {"scheme": scheme, "tile": tile, "param_dtype": pdtype.name, "qwix_version": installed_version("qwix"),
               "base_digest": base_digest(rows), "targets": list(targets), "weights": len({p[:-2] for p in out})}
@@ -446,10 +460,31 @@ def _quantize_one(rows: ModelRows, e: mapping.Entry, quantize, real_path: tuple,
     return dict(_flat(quantize(e.tunix_path, real_path, value.astype(pdtype, copy=False))))
 
 
-def _part(held, sub: tuple[str, ...]) -> np.ndarray:
+class _Quantized:
+    """The parts of one quantized weight, computed by the first piece asked for and each part
+    dropped once its pieces are made (Orbax may write a weight's scale long after its values)."""
+
+    def __init__(self, fn, uses: dict):
+        self._fn, self._uses, self._parts = fn, dict(uses), None
+        self._lock = threading.Lock()
+
+    def get(self, sub: tuple[str, ...]) -> np.ndarray:
+        with self._lock:
+            if self._fn is not None:
+                self._parts, self._fn = self._fn(), None
+            assert self._parts is not None
+            value = self._parts[sub]
+            self._uses[sub] -= 1
+            if self._uses[sub] <= 0:
+                del self._parts[sub]
+        return value
+
+
+def _part(held: _Quantized, sub: tuple[str, ...], rows: slice) -> np.ndarray:
     from ckptbridge import qlora_base
 
-    return qlora_base.stored(held.get()[sub])
+    value = held.get(sub)
+    return qlora_base.stored(value[rows] if value.ndim else value)
 
 
 def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None = None,
@@ -464,7 +499,8 @@ def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None 
     target = target_tunix_version(tunix_version)
     mismatch = specs.note_mismatch(rows.cfg)
     ents = [*mapping.for_tunix_version(rows.entries, target), *rows.tower_entries]
-    quantized, base_quant = _quantized_leaves(rows, ents, quantize, tile, target) if quantize else ({}, None)
+    quantized, base_quant = (_quantized_leaves(rows, ents, quantize, tile, target, req.chunk_bytes) if quantize
+                             else ({}, None))
     done = {path[:-2] for path in quantized}
     flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in ents if e.tunix_path not in done}
     flat.update(quantized)

@@ -160,7 +160,7 @@ class PlannedTensor:
     """A tensor to write: its name, numpy shape (of the values, not of Q8_0's bytes), type, and
     a function that makes its stored form when its turn comes (:meth:`TensorType.storage`): the
     whole array, or an iterable of its pieces in order (runs of its outermost rows, any shape, or
-    :class:`~ckptbridge.io.output.FileRange`\ s of another file's bytes, copied file to file),
+    :class:`~ckptbridge.io.output.FileRange` objects of another file's bytes, copied file to file),
     whose bytes together are the tensor's."""
 
     name: str

@@ -63,16 +63,19 @@ class LazyArray:
     (the last ones cut by the array's edge) and ``make()`` its values. Pieces are made on the
     workers of a :class:`~ckptbridge.stream.Engine` ahead of the writer, within its memory
     budget, each counted as ``held`` times its bytes (what it holds at its peak: with TensorStore's
-    encoded copy of it, 2). ``on_written(nbytes)`` is called as bytes are stored."""
+    encoded copy of it, 2), the first as ``first_held`` bytes where given (a first piece that
+    computes what the others are cut from). ``on_written(nbytes)`` is called as bytes are stored."""
 
     def __init__(self, shape: Iterable[int], dtype, produce: Callable[[], np.ndarray] | None = None,
                  on_written: Callable[[int], None] | None = None, *,
                  chunks: tuple[int, ...] | None = None,
-                 pieces: Sequence[tuple[Region, Callable[[], np.ndarray]]] | None = None, held: int = 1):
+                 pieces: Sequence[tuple[Region, Callable[[], np.ndarray]]] | None = None, held: int = 1,
+                 first_held: int | None = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.on_written = on_written
         self.held = held
+        self.first_held = first_held
         self.chunks = tuple(int(c) for c in chunks) if chunks is not None else None
         if (produce is None) == (pieces is None) or (pieces is None) != (chunks is None):
             raise ValueError("a LazyArray needs produce, or pieces with chunks")
@@ -111,8 +114,9 @@ class LazyArray:
 
     def jobs(self) -> Iterator[tuple[int, Callable[[], np.ndarray]]]:
         """``(bytes held, make)`` of each piece, in order, for a stream."""
-        for region, make in self.pieces:
-            yield self.held * self.region_bytes(region), make
+        for n, (region, make) in enumerate(self.pieces):
+            held = self.held * self.region_bytes(region)
+            yield (max(held, self.first_held) if n == 0 and self.first_held is not None else held), make
 
     def checked(self, region: Region, arr) -> np.ndarray:
         """``arr`` as the contiguous values of ``region``, or a ValueError naming the mismatch."""
