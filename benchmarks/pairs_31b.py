@@ -1,6 +1,6 @@
 """Every model pair of ``ckptbridge convert`` at real Gemma 4 31B width, each against copying the
 same bytes, in one run: HF, Tunix, MaxText and GGUF in, HF, Tunix, MaxText, GGUF (bf16 and q8_0)
-and compressed-tensors (int8) out.
+and compressed-tensors (int8) out, and a QLoRA base (Tunix, int4).
 
 A bf16 Gemma 4 text checkpoint of the 31B's real shapes with the real embedding (262144 x 5376)
 and k decoder layers (default 4, 6.3 GiB; the last one a global k_eq_v layer). Each repeat goes
@@ -40,6 +40,7 @@ PAIRS = {
     "hf -> tunix": ("hf", "tunix", []), "hf -> maxtext": ("hf", "maxtext", []),
     "hf -> gguf": ("hf", "gguf", ["--outtype", "bf16"]), "hf -> gguf q8_0": ("hf", "gguf", ["--outtype", "q8_0"]),
     "hf -> compressed-tensors": ("hf", "compressed-tensors", ["--quantize", "int8"]),
+    "hf -> tunix int4 (QLoRA base)": ("hf", "tunix", ["--quantize", "int4"]),
     "tunix -> hf": ("tunix", "hf", []), "tunix -> maxtext": ("tunix", "maxtext", []),
     "tunix -> gguf": ("tunix", "gguf", ["--outtype", "bf16"]),
     "tunix -> gguf q8_0": ("tunix", "gguf", ["--outtype", "q8_0"]),

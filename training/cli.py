@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "coordinator and writes the run's metrics)")
     g.add_argument("--peer-timeout", type=float, metavar="SECONDS", default=None,
                    help="seconds without a heartbeat from another process before this one stops with a line "
-                        "naming it (default 180)")
+                        "naming it (default 180); a process that ends is seen at once, through the connection "
+                        "its end closes")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. rank=16 learning_rate=2e-4")
     return p
 
@@ -149,6 +150,9 @@ def main(argv=None) -> int:
         print(f"training: error: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:  # a package that does not import with the versions beside it: one line
+        from training import distributed
+
+        distributed.end_if_peer_lost(e)  # a collective that failed because a peer is gone: exit 9
         code = deps.import_failure_exit("training", e, "train")
         if code is None:
             raise

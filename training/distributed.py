@@ -18,6 +18,13 @@ bumped every second by a thread; a process whose counter has not moved for ``pee
 seconds, or a coordinator that has not answered for that long, ends every other process with one
 line naming it (exit code :data:`PEER_LOST_EXIT`). JAX's own heartbeat check, which would abort
 with a stack trace, is given ``peer_timeout`` + 60 s so that this one speaks first.
+
+A process that ends (killed, crashed, out of memory) is known at once, not after the timeout:
+every two processes hold a TCP connection open (:class:`PeerLinks`), never written, which the
+operating system closes the moment either ends, however it ends; one that closes without its
+process having said it finished ends the others the same way. A collective that fails because a
+peer is gone ends the process as well (:func:`end_if_peer_lost`), never in JAX's shutdown
+barrier. Only a host that vanishes, which closes nothing, waits for the heartbeat's timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import selectors
+import socket
+import struct
 import sys
 import threading
 import time
@@ -37,6 +47,8 @@ PEER_LOST_EXIT = 9  # a peer process stopped; what the command line's epilog say
 DEFAULT_PEER_TIMEOUT = 180.0
 _KEY = "ckptbridge/alive/"
 _DONE = "ckptbridge/done/"
+_ADDR = "ckptbridge/link/"
+LINK_CLOSED = "ended without finishing: its connection to this process closed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +145,25 @@ def finish() -> None:
     jax.distributed.shutdown()
 
 
+def end_if_peer_lost(error: BaseException) -> None:
+    """After ``error`` ended the run of a process that joined others: if a peer is gone (a
+    collective fails as soon as a peer's connection closes, long before any heartbeat times
+    out), end this process as the watch does, one line naming the peer and exit
+    :data:`PEER_LOST_EXIT`, without waiting in JAX's shutdown barrier for a peer that will never
+    come. Otherwise (every peer alive: the error is this process's own) return."""
+    if _watch is None:
+        return
+    found = _watch.find_lost()
+    if found is not None:
+        peer, why = found
+        _watch._lost(peer, f"{why} ({_first_line(error)})")
+
+
+def _first_line(error: BaseException) -> str:
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text[:160]}" if text else type(error).__name__
+
+
 def _cpu_only() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "") or os.environ.get("JAX_PLATFORM_NAME", "")
     if platforms:
@@ -156,16 +187,19 @@ def _client():
 class PeerWatch:
     """Every second: bump this process's counter in the key-value store and read the others'.
     A peer whose counter stands still for ``timeout`` seconds (or a store that does not answer for
-    that long: the coordinator, process 0, is gone) ends this process with one line."""
+    that long: the coordinator, process 0, is gone), or whose connection (:class:`PeerLinks`)
+    closes before it said it finished, ends this process with one line."""
 
     def __init__(self, index: int, count: int, timeout: float, coordinator: str | None, interval: float = 1.0):
         self.index, self.count, self.timeout, self.interval = index, count, timeout, interval
         self.coordinator = coordinator
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+        self.links = PeerLinks(index, count, coordinator, self._closed)
 
     def start(self) -> None:
         self._thread.start()
+        self.links.start()
 
     def done(self) -> None:
         try:
@@ -173,6 +207,43 @@ class PeerWatch:
         except Exception:  # the others are finishing too; nothing to tell them
             pass
         self._stop.set()
+
+    def _closed(self, peer: int) -> None:
+        """``peer``'s connection closed: unless it said it finished, it is gone."""
+        if self._stop.is_set():
+            return
+        done: set[str] = set()
+        if peer != 0:  # process 0 holds the store, and leaves only with the others (JAX's shutdown)
+            try:
+                done = {k.rsplit("/", 1)[-1] for k, _ in _client().key_value_dir_get(_DONE)}
+            except Exception:
+                pass
+        if str(peer) not in done:
+            self._lost(peer, LINK_CLOSED)
+
+    def find_lost(self, beats: int = 3) -> tuple[int, str] | None:
+        """The peer that is gone, and how it went, seen over ``beats`` of the live ones' counters
+        (they keep counting while this waits, whatever the others' main threads do); None if every
+        peer still counts or has finished."""
+        try:
+            client = _client()
+            done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_DONE)}
+            ended = [p for p in sorted(self.links.closed()) if str(p) not in done]
+            if ended:
+                return ended[0], LINK_CLOSED
+            before = dict(client.key_value_dir_get(_KEY))
+            time.sleep(beats * self.interval + 0.5)
+            after = dict(client.key_value_dir_get(_KEY))
+            done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_DONE)}
+        except Exception:  # the store is process 0's: the coordinator is gone
+            where = f", {self.coordinator}" if self.coordinator else ""
+            return 0, f"(the coordinator{where}) stopped: its key-value store does not answer"
+        for p in range(self.count):
+            key = f"{_KEY}{p}"
+            if p != self.index and str(p) not in done and after.get(key) == before.get(key):
+                return p, f"stopped: a collective failed and its heartbeat stood still for " \
+                          f"{beats * self.interval + 0.5:.0f} s"
+        return None
 
     def _run(self) -> None:
         client = _client()
@@ -210,3 +281,112 @@ class PeerWatch:
               "the run stops here: start every process again with the same command to resume from the last "
               "checkpoint", file=sys.stderr, flush=True)
         os._exit(PEER_LOST_EXIT)
+
+
+class PeerLinks:
+    """A TCP connection between this process and every other, held open and never written: the
+    operating system closes it when either process ends, however it ends, so that a peer's end is
+    seen at once (:meth:`closed`; ``on_closed(peer)`` is called). Each process listens on a port
+    of its own, published in the coordinator's key-value store; it connects to the peers before it
+    and accepts the ones after it. Where a connection cannot be made (a firewall between hosts),
+    that peer is watched by its heartbeat alone."""
+
+    def __init__(self, index: int, count: int, coordinator: str | None, on_closed=None):
+        self.index, self.count, self.coordinator, self.on_closed = index, count, coordinator, on_closed
+        self._closed: set[int] = set()
+        self._lock = threading.Lock()
+        self._selector = selectors.DefaultSelector()
+        self._thread = threading.Thread(target=self._run, name="peer-links", daemon=True)
+
+    def closed(self) -> set[int]:
+        """The peers whose connection has closed."""
+        with self._lock:
+            return set(self._closed)
+
+    def start(self) -> None:
+        try:
+            server = socket.create_server(("", 0), family=socket.AF_INET)
+            client = _client()
+            client.key_value_set(f"{_ADDR}{self.index}", f"{_own_address(self.coordinator)}:{server.getsockname()[1]}",
+                                 allow_overwrite=True)
+        except Exception as e:  # no socket here: the heartbeat alone
+            log.debug("peer links: not listening: %s", e)
+            return
+        server.setblocking(False)
+        self._selector.register(server, selectors.EVENT_READ, None)
+        self._thread.start()
+
+    def _run(self) -> None:
+        waiting = set(range(self.index))  # the peers before this one: this one connects to them
+        deadline = time.monotonic() + 600
+        while True:
+            if waiting and time.monotonic() < deadline:
+                self._connect(waiting)
+            for key, _ in self._selector.select(timeout=0.5 if waiting else None):
+                sock: socket.socket = key.fileobj  # type: ignore[assignment]  # only sockets are registered
+                if key.data is None:  # the listener: a peer after this one connects
+                    try:
+                        conn, _ = sock.accept()
+                        conn.settimeout(5)
+                        peer = struct.unpack("<I", _recv_exactly(conn, 4))[0]
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    self._selector.register(conn, selectors.EVENT_READ, peer)
+                    continue
+                try:
+                    data = sock.recv(64)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:  # closed: the peer's process ended
+                    self._selector.unregister(sock)
+                    sock.close()
+                    with self._lock:
+                        self._closed.add(key.data)
+                    if self.on_closed is not None:
+                        self.on_closed(key.data)
+
+    def _connect(self, waiting: set[int]) -> None:
+        client = _client()
+        for peer in sorted(waiting):
+            try:
+                found = client.key_value_try_get(f"{_ADDR}{peer}")
+            except Exception:  # not published yet
+                continue
+            waiting.discard(peer)
+            host, _, port = found.rpartition(":")
+            try:
+                conn = socket.create_connection((host, int(port)), timeout=5)
+                conn.sendall(struct.pack("<I", self.index))
+            except OSError as e:
+                log.debug("peer links: no connection to process %d at %s: %s", peer, found, e)
+                continue
+            conn.setblocking(False)
+            self._selector.register(conn, selectors.EVENT_READ, peer)
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = conn.recv(n - len(out))
+        if not got:
+            raise OSError("closed")
+        out += got
+    return out
+
+
+def _own_address(coordinator: str | None) -> str:
+    """This host's address as the peers reach it: the interface that leads to the coordinator."""
+    if coordinator is None:
+        from jax._src import distributed
+
+        coordinator = distributed.global_state.coordinator_address
+    host, _, port = (coordinator or "").rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host or "8.8.8.8", int(port or 9)))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
