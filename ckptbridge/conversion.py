@@ -246,6 +246,10 @@ def convert(src: str, dst: str, *, to: str | None = None, adapter: str | Sequenc
 
     check_destination(dst, [src, *adapters, *([base] if base else []), *([config] if config else [])], overwrite)
     write_opts = {k: v for k, v in opts.items() if k in dest.write_options or (k == "quantize" and dest.name == "hf")}
+    if quantize is not None and dest.name == "tunix":  # a QLoRA base: qwix quantizes against the Tunix model
+        from ckptbridge.qlora_leaves import quantized_leaves
+
+        write_opts["quantized_leaves"] = quantized_leaves
     with contextlib.ExitStack() as stack:
         engine: Engine = stack.enter_context(parallel.engine(f"{fmt.name}-{dest.name}"))
         req = _request(src, dst, fmt, dest, engine, chunk_bytes, chunked, overwrite, progress, direction, desc,

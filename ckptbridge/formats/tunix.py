@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 import time
 
 import numpy as np
@@ -392,114 +391,24 @@ def leaf(rows: ModelRows, e: mapping.Entry, chunk_bytes: int) -> orbax_io.LazyAr
                               held=HELD_PER_BYTE)
 
 
-# What quantizing one weight holds at its peak, per byte of its quantized values: the weight read
-# (2 bytes a value in bfloat16), its float32 copy and qwix's float32 temporaries
-QUANTIZE_HELD = 12
-
-
-def _quantized_leaves(rows: ModelRows, ents: list[mapping.Entry], scheme: str, tile: int | None,
-                      target: str | None, chunk_bytes: int) -> tuple[dict, dict]:
-    """The leaves of a QLoRA base (``qlora_base``): for every weight the QLoRA model of the
-    family's LoRA targets holds quantized, qwix's arrays of it (computed once per weight, each
-    part a leaf), and the metadata's ``base_quant`` record."""
-    deps.require("verify")
-    from ckptbridge import qlora_base
-    from ckptbridge.deps import installed_version
-    from ckptbridge.merge import base_digest
-    from ckptbridge.tunix_model import TunixModelPlan, _flat, _lookup, _real_path
-
-    if target != installed_tunix_version():
-        raise ConfigError(f"--quantize: the quantized layouts are the installed google-tunix's "
-                          f"({installed_tunix_version()}); drop --tunix-version {target}")
-    pdtype = np.dtype(rows.dtype(rows.entries[0]))
-    targets = rows.spec.lora_targets
-    plan = TunixModelPlan.of_config(rows.cfg, param_dtype=pdtype, allow_config_mismatch=True,
-                                    lora_rules=[qlora_base.rule(targets, scheme, tile)])
-    pure = plan.abstract_state.to_pure_dict()
-    quantize = qlora_base.Quantizer(plan.abstract_model())
-    out: dict = {}
-    for e in ents:
-        node = _lookup(pure, e.tunix_path) if not e.tower else None
-        if not isinstance(node, dict):
-            continue
-        real_path = _real_path(pure, e.tunix_path)
-        shape = dict(_flat(node))[qlora_base.QVALUE].shape
-        parts = dict(_flat(quantize.produces(real_path, shape, pdtype)))  # the scale in the weights' dtype
-        qvalue = parts[qlora_base.QVALUE]
-        per = max(1, chunk_bytes // max(1, math.prod(qvalue.shape[1:]))) if qvalue.shape else 1
-        blocks = [(i, min(i + per, qvalue.shape[0])) for i in range(0, qvalue.shape[0], per)] if qvalue.shape else []
-        held = _Quantized(functools.partial(_quantize_one, rows, e, quantize, real_path, shape, pdtype),
-                          {sub: (max(1, len(blocks)) if sub == qlora_base.QVALUE else 1) for sub in parts})
-        for sub, abstract in parts.items():
-            dtype = qlora_base.STORED.get(str(abstract.dtype), np.dtype(abstract.dtype))
-            if sub == qlora_base.QVALUE and len(blocks) > 1:
-                # in row blocks of about a chunk, each an Orbax chunk of its own (as every large
-                # leaf is written): the first holds the quantization of the whole weight
-                pieces = [((slice(i, j),) + (slice(None),) * (len(abstract.shape) - 1),
-                           functools.partial(_part, held, sub, slice(i, j))) for i, j in blocks]
-                out[e.tunix_path + sub] = orbax_io.LazyArray(
-                    abstract.shape, dtype, chunks=(per,) + tuple(abstract.shape[1:]), pieces=pieces,
-                    held=HELD_PER_BYTE, first_held=QUANTIZE_HELD * math.prod(abstract.shape) * dtype.itemsize)
-                continue
-            out[e.tunix_path + sub] = orbax_io.LazyArray(
-                abstract.shape, dtype, produce=functools.partial(_part, held, sub, slice(None)),
-                held=QUANTIZE_HELD if sub == qlora_base.QVALUE else HELD_PER_BYTE)
-    record = {"scheme": scheme, "tile": tile, "param_dtype": pdtype.name, "qwix_version": installed_version("qwix"),
-              "base_digest": base_digest(rows), "targets": list(targets), "weights": len({p[:-2] for p in out})}
-    return out, record
-
-
-def _quantize_one(rows: ModelRows, e: mapping.Entry, quantize, real_path: tuple, shape: tuple, pdtype) -> dict:
-    from ckptbridge import layout
-    from ckptbridge.tunix_model import _flat
-
-    value = np.asarray(rows.tunix_value(e))
-    lay = mapping.layout_with_shape(e, tuple(shape))
-    if lay is not None and lay != e.tunix_layout:  # the installed Tunix lays it out otherwise
-        value = layout.rearrange(value, e.tunix_layout, lay, e.sizes)
-    return dict(_flat(quantize(e.tunix_path, real_path, value.astype(pdtype, copy=False))))
-
-
-class _Quantized:
-    """The parts of one quantized weight, computed by the first piece asked for and each part
-    dropped once its pieces are made (Orbax may write a weight's scale long after its values)."""
-
-    def __init__(self, fn, uses: dict):
-        self._fn, self._uses, self._parts = fn, dict(uses), None
-        self._lock = threading.Lock()
-
-    def get(self, sub: tuple[str, ...]) -> np.ndarray:
-        with self._lock:
-            if self._fn is not None:
-                self._parts, self._fn = self._fn(), None
-            assert self._parts is not None
-            value = self._parts[sub]
-            self._uses[sub] -= 1
-            if self._uses[sub] <= 0:
-                del self._parts[sub]
-        return value
-
-
-def _part(held: _Quantized, sub: tuple[str, ...], rows: slice) -> np.ndarray:
-    from ckptbridge import qlora_base
-
-    value = held.get(sub)
-    return qlora_base.stored(value[rows] if value.ndim else value)
-
-
 def write(rows: ModelRows, dst: str, req: Request, *, tunix_version: str | None = None,
-          compression: bool = True, quantize: str | None = None, tile: int | None = None) -> ToTunixReport:
+          compression: bool = True, quantize: str | None = None, tile: int | None = None,
+          quantized_leaves=None) -> ToTunixReport:
     """Write ``rows`` as an Orbax checkpoint of the Tunix state at ``dst``: the layouts of Tunix
     ``tunix_version`` (default: the installed google-tunix; without one, the layouts the specs
     were written against), recorded in the metadata with the HF config; the non-weight files under
     ``hf_assets/``. ``compression=False`` stores the chunks without zstd (faster, larger).
     ``quantize`` (``int8``, ``int4``, ``nf4``; ``tile``): a QLoRA base, the weights of the family's
-    LoRA targets stored as qwix's quantized arrays (:mod:`ckptbridge.qlora_base`)."""
+    LoRA targets stored as qwix's quantized arrays made by ``quantized_leaves`` (the conversion
+    gives :func:`ckptbridge.qlora_leaves.quantized_leaves`)."""
     deps.require("orbax")
     target = target_tunix_version(tunix_version)
     mismatch = specs.note_mismatch(rows.cfg)
     ents = [*mapping.for_tunix_version(rows.entries, target), *rows.tower_entries]
-    quantized, base_quant = (_quantized_leaves(rows, ents, quantize, tile, target, req.chunk_bytes) if quantize
+    if quantize and quantized_leaves is None:
+        raise ConfigError("--quantize: a QLoRA base is written through ckptbridge.convert (the conversion gives "
+                          "the writer qwix's quantization against the Tunix model)")
+    quantized, base_quant = (quantized_leaves(rows, ents, quantize, tile, target, req.chunk_bytes) if quantize
                              else ({}, None))
     done = {path[:-2] for path in quantized}
     flat = {e.tunix_path: leaf(rows, e, req.chunk_bytes) for e in ents if e.tunix_path not in done}
