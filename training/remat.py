@@ -62,13 +62,9 @@ def _policy(name: str, max_rank: int, ffn_width: int):
 def _remat_class(cls: type, name: str, max_rank: int, ffn_width: int) -> type:
     from flax import nnx
 
-    policy = _policy(name, max_rank, ffn_width) if name in POLICIES else None
+    policy = _policy(name, max_rank, ffn_width)
 
     def __call__(self, *args, **kwargs):
-        args = _dropout_after_input(self, args)
-        if policy is None:
-            return cls.__call__(self, *args, **kwargs)
-
         def call(module, args, kwargs):
             return cls.__call__(module, *args, **kwargs)
 
@@ -78,33 +74,10 @@ def _remat_class(cls: type, name: str, max_rank: int, ffn_width: int) -> type:
                                        "__qualname__": f"Remat[{name}]{cls.__qualname__}"})
 
 
-def _dropout_after_input(layer, args: tuple) -> tuple:
-    """The key of LoRA dropout's stream (``qwix_rngs``, :func:`ckptbridge.formats.qwix.dropout_stream`)
-    passed through one optimization barrier with the layer's input, so that the layer's masks
-    are drawn when its input is there, not all at the step's start.
-
-    The masks' random bits depend on the key alone, so XLA is free to draw every layer's at once
-    and keep them through the forward and the backward pass: compiled for a TPU v5e (31B width,
-    3072 tokens, int4 base, 8 layers), 4.9 GB of what was live at the step's peak were random bits
-    (8 x 0.26 GB for the down projections' inputs alone); with the barrier, none. The barrier is
-    an identity: the same keys, the same masks."""
-    import jax
-
-    rngs = getattr(layer, "qwix_rngs", None)
-    if rngs is None or not args or not isinstance(args[0], jax.Array):
-        return args
-    key = rngs.dropout.key[...]
-    data, x = jax.lax.optimization_barrier((jax.random.key_data(key), args[0]))
-    rngs.dropout.key[...] = jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
-    return (x, *args[1:])
-
-
-def apply(model, layers_attr: str, name: str, *, max_rank: int, ffn_width: int, dropout: bool = False) -> int:
+def apply(model, layers_attr: str, name: str, *, max_rank: int, ffn_width: int) -> int:
     """Under ``remat=name`` (one of :data:`POLICIES`), make each decoder layer of ``model`` (the
-    list ``layers_attr``) rematerialise with its policy; with LoRA ``dropout``, under any ``name``,
-    draw each layer's dropout masks once its input is there (:func:`_dropout_after_input`).
-    Returns the layers wrapped."""
-    if name not in POLICIES and not dropout:
+    list ``layers_attr``) rematerialise with its policy. Returns the layers wrapped."""
+    if name not in POLICIES:
         return 0
     layers = getattr(model, layers_attr)
     for layer in layers:

@@ -73,7 +73,7 @@ def for_training(model, cfg, model_cfg):
 
     rank = max(int(r["rank"]) for r in cfg.lora_rules(family_of_model(model).lora_targets))
     remat.apply(model, tunix_spec(family_of_model(model)).layers, cfg.remat, max_rank=rank,
-                ffn_width=model_cfg.intermediate_size, dropout=cfg.dropout > 0)
+                ffn_width=model_cfg.intermediate_size)
     if cfg.loss_chunk:
         keep_hidden_states(model)
     if cfg.dropout > 0:
