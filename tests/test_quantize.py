@@ -191,7 +191,7 @@ def test_bad_models_are_one_line_and_write_nothing(checkpoints, tmp_path):
         (["quantize", f64, "--scheme", "int8"], 5, "model.layers.0.self_attn.q_proj.weight is F64; int8 quantizes "
                                                    "BF16, F16 or F32 weights"),
         (["quantize", src, "--scheme", "int4"], 2, "invalid choice: 'int4'"),
-        (["merge", src, src, "--quantize", "nf4"], 2, "invalid choice: 'nf4'"),
+        (["merge", src, src, "--quantize", "nf4"], 8, "nf4 is a QLoRA base's (--to tunix)"),
         (["quantize", src], 2, "the following arguments are required: --scheme"),
     ]
     for args, code, words in cases:
