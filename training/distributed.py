@@ -164,6 +164,11 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:160]}" if text else type(error).__name__
 
 
+def _finished(client) -> set[str]:
+    """The indices (as strings) of the processes that said they finished (:meth:`PeerWatch.done`)."""
+    return {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_DONE)}
+
+
 def _cpu_only() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "") or os.environ.get("JAX_PLATFORM_NAME", "")
     if platforms:
@@ -215,7 +220,7 @@ class PeerWatch:
         done: set[str] = set()
         if peer != 0:  # process 0 holds the store, and leaves only with the others (JAX's shutdown)
             try:
-                done = {k.rsplit("/", 1)[-1] for k, _ in _client().key_value_dir_get(_DONE)}
+                done = _finished(_client())
             except Exception:
                 pass
         if str(peer) not in done:
@@ -227,14 +232,14 @@ class PeerWatch:
         peer still counts or has finished."""
         try:
             client = _client()
-            done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_DONE)}
+            done = _finished(client)
             ended = [p for p in sorted(self.links.closed()) if str(p) not in done]
             if ended:
                 return ended[0], LINK_CLOSED
             before = dict(client.key_value_dir_get(_KEY))
             time.sleep(beats * self.interval + 0.5)
             after = dict(client.key_value_dir_get(_KEY))
-            done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_DONE)}
+            done = _finished(client)
         except Exception:  # the store is process 0's: the coordinator is gone
             where = f", {self.coordinator}" if self.coordinator else ""
             return 0, f"(the coordinator{where}) stopped: its key-value store does not answer"
@@ -257,7 +262,7 @@ class PeerWatch:
             try:
                 client.key_value_set(f"{_KEY}{self.index}", str(beat), allow_overwrite=True)
                 values = dict(client.key_value_dir_get(_KEY))
-                done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(_DONE)}
+                done = _finished(client)
                 store_ok = now
             except Exception:
                 if now - store_ok > self.timeout:
